@@ -1,0 +1,93 @@
+"""The root config schema, its registration in Hydra's ConfigStore, and typed resolution.
+
+Each section's dataclass lives beside the code it configures; this module only assembles
+them. ``conf/`` YAML files pick values; typing and invariants are checked when the composed
+config is turned into these dataclasses (``to_typed``), before anything is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from eagleforge.data.dataset import DataConfig
+from eagleforge.draft.model import DraftConfig
+from eagleforge.errors import ConfigError
+from eagleforge.optim import OptimizerConfig
+from eagleforge.parallel import ParallelConfig
+from eagleforge.target import TargetConfig
+from eagleforge.target.source import ModelConfig
+from eagleforge.tracking import TrackerConfig
+from eagleforge.trainer import TrainerConfig
+
+SCHEMA_NAME = "eagleforge_schema"
+
+
+@dataclass
+class EagleForgeConfig:
+    """Root of every run's config."""
+
+    # The frozen target LLM (chosen with +model=NAME; no default).
+    model: ModelConfig = MISSING
+    # Training conversations.
+    data: DataConfig = MISSING
+    # How the target runs (backend).
+    target: TargetConfig = MISSING
+    # Devices and processes.
+    parallel: ParallelConfig = MISSING
+    # Optimizer, schedule and clipping.
+    optimizer: OptimizerConfig = MISSING
+    # Metrics destination.
+    tracker: TrackerConfig = MISSING
+    # The draft head and its training-time test.
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    # Loop, eval and checkpoint cadence.
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Seed of weights init, data split and shuffling.
+    seed: int = 0
+    # Root of run outputs and of the default MLflow store.
+    output_root: str = "outputs"
+    # This run's directory (Hydra's run dir by default).
+    output_dir: str = MISSING
+    # Converted models and tokenized data; null = $EAGLEFORGE_CACHE_DIR or ~/.cache/eagleforge.
+    cache_dir: str | None = None
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        return Path(os.environ.get("EAGLEFORGE_CACHE_DIR") or Path.home() / ".cache" / "eagleforge")
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=EagleForgeConfig)
+
+
+def conf_dir() -> Path:
+    """The Hydra config tree: inside the installed package, or at the checkout's root."""
+    packaged = Path(__file__).parent / "conf"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "conf"
+
+
+def group_choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def to_typed(cfg: DictConfig) -> EagleForgeConfig:
+    """Validate a composed config into dataclasses; raises ConfigError naming the field."""
+    if OmegaConf.is_missing(cfg, "model"):
+        raise ConfigError(
+            "No target model chosen: add +model=NAME to the command, one of: "
+            f"{', '.join(group_choices('model'))}."
+        )
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key}: {e.msg}" if key else str(e)) from None
+    assert isinstance(typed, EagleForgeConfig)
+    return typed

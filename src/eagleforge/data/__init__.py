@@ -1,0 +1,1 @@
+"""Data: conversations, chat templates and loss masks, the draft vocab map, datasets."""

@@ -1,0 +1,1 @@
+"""The draft head: model, TTT attention, the unrolled training-time test and its loss."""

@@ -1,0 +1,263 @@
+"""The EAGLE-3 draft head: its architecture (derived from the target's config) and module.
+
+Parameter names and shapes are exactly those SGLang's ``LlamaForCausalLMEagle3`` loads
+(``fc``, ``midlayer.*``, ``norm``, ``lm_head``, buffers ``d2t``/``t2d``), so a state dict
+of this module, minus ``embed_tokens``, is an SGLang checkpoint.
+
+Shape suffixes: B batch, T sequence, H draft hidden, A = 3 * target hidden (aux features),
+N query heads, K key/value heads, D head dim, V target vocab, W draft vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagleforge.errors import ConfigError
+
+
+class AttentionBackend(str, Enum):
+    """How the TTT attention is computed (see ``draft/attention.py``)."""
+
+    eager = "eager"
+
+
+@dataclass
+class DraftConfig:
+    """The `draft` config section: what the user chooses about the draft head."""
+
+    # Draft vocabulary size W (tokens the draft can propose); clipped to the target vocab.
+    draft_vocab_size: int = 32000
+    # Number of unrolled training-time-test steps k (tokens predicted ahead per position).
+    ttt_length: int = 7
+    # Weight of TTT step i in the loss is step_weight_decay ** i.
+    step_weight_decay: float = 0.8
+    # TTT attention implementation.
+    attention: AttentionBackend = AttentionBackend.eager
+    # MLP width of the draft layer; null = the target's intermediate_size.
+    intermediate_size: int | None = None
+    # Std of the normal init of trainable weights (fc, attention, mlp, lm_head).
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size < 1:
+            raise ConfigError(f"draft.draft_vocab_size must be >= 1, got {self.draft_vocab_size}.")
+        if self.ttt_length < 1:
+            raise ConfigError(f"draft.ttt_length must be >= 1, got {self.ttt_length}.")
+        if not 0.0 < self.step_weight_decay <= 1.0:
+            raise ConfigError(
+                f"draft.step_weight_decay must be in (0, 1], got {self.step_weight_decay}."
+            )
+
+
+@dataclass
+class DraftArchitecture:
+    """Everything needed to build the draft module; written as the export's config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # target vocab V
+    draft_vocab_size: int  # W
+    target_hidden_size: int
+    # Target layers whose outputs feed fc, 0-based output-of-layer numbering (see DESIGN.md).
+    aux_layer_ids: list[int]
+    # Non-default RoPE scaling of the target ({"rope_type": ..., ...}); None = plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    target_model_type: str = "llama"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_target(
+        cls, target_config: Any, draft: DraftConfig, aux_layer_ids: list[int]
+    ) -> DraftArchitecture:
+        """Derive the draft's shape from a transformers config of the target."""
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        hidden = text.hidden_size
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        rope = dict(getattr(text, "rope_parameters", None) or {})
+        rope_theta = float(rope.pop("rope_theta", getattr(text, "rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        vocab = text.vocab_size
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=draft.intermediate_size or text.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
+            vocab_size=vocab,
+            draft_vocab_size=min(draft.draft_vocab_size, vocab),
+            target_hidden_size=hidden,
+            aux_layer_ids=list(aux_layer_ids),
+            rope_scaling=None if rope_type == "default" else rope,
+            hidden_act=getattr(text, "hidden_act", "silu"),
+            target_model_type=getattr(text, "model_type", "llama"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(arch: DraftArchitecture) -> torch.Tensor:
+    """Inverse RoPE frequencies [D/2], computed the way transformers computes the target's."""
+    if arch.rope_scaling is None:
+        exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim
+        return (1.0 / (arch.rope_theta**exponents)).float()
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type"))
+    config = LlamaConfig(
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        head_dim=arch.head_dim,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_parameters={**arch.rope_scaling, "rope_theta": arch.rope_theta},
+    )
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class DraftAttention(nn.Module):
+    """Attention whose q/k/v read the 2H-wide concat of normed embedding and hidden state."""
+
+    def __init__(self, arch: DraftArchitecture) -> None:
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        width = 2 * arch.hidden_size
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
+
+    def project(
+        self, x_BTX: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B,N,T,D], k and v [B,K,T,D], RoPE applied to q and k."""
+        b, t, _ = x_BTX.shape
+        q = self.q_proj(x_BTX).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BTX).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BTX).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, arch: DraftArchitecture) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """SGLang's EAGLE-3 ``midlayer``: attention over concat(norm(embed), norm(h)), residual h."""
+
+    def __init__(self, arch: DraftArchitecture) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = DraftAttention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = DraftMLP(arch)
+
+
+class Eagle3Draft(nn.Module):
+    """Module tree and weights of the draft; the TTT unrolling lives in ``draft/ttt.py``."""
+
+    def __init__(self, arch: DraftArchitecture) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * arch.target_hidden_size, arch.hidden_size, bias=False)
+        self.midlayer = DraftDecoderLayer(arch)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.draft_vocab_size, bias=False)
+        # target_id = draft_id + d2t[draft_id]; t2d[target_id] marks ids in the draft vocab.
+        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(arch.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        """Normal(0, std) for every trainable matrix, ones for norms (the frozen embedding is kept)."""
+        for name, param in self.named_parameters():
+            if name.startswith("embed_tokens"):
+                continue
+            with torch.no_grad():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    param.fill_(1.0)
+                elif name.endswith("bias"):
+                    param.zero_()
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def load_embedding(self, weight_VH: torch.Tensor) -> None:
+        """Copy the target's input embedding (frozen during training)."""
+        if tuple(weight_VH.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"target embedding has shape {tuple(weight_VH.shape)}, the draft expects "
+                f"{tuple(self.embed_tokens.weight.shape)}"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight_VH)
+
+    def set_vocab_map(self, d2t_W: torch.Tensor, t2d_V: torch.Tensor) -> None:
+        self.d2t.copy_(d2t_W)
+        self.t2d.copy_(t2d_V)
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def rope(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B,T,D] for the given absolute positions."""
+        freqs = position_ids_BT.float().unsqueeze(-1) * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen embedding: what checkpoints and exports store."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}

@@ -1,0 +1,140 @@
+"""The unrolled training-time test (TTT): k draft steps over a batch, and the loss.
+
+At step i, draft position t reads the token x_{t+1+i} and the hidden state of step i-1 (at
+step 0: fc of the target's aux features f_t) and predicts x_{t+2+i}; the teacher is the
+target's distribution at position t+1+i. The loss at (i, t) counts iff x_{t+2+i} exists, is
+supervised, and the target's argmax there is a draft-vocab id. The draft's lm_head and the
+soft cross-entropy are computed only at counted positions.
+
+Everything here is a function of tensors, testable alone.
+
+Shape suffixes: B batch, T sequence, H draft hidden, A aux width (3 * target hidden),
+W draft vocab, n counted positions, k TTT steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagleforge.draft.attention import eager_ttt_attention
+from eagleforge.draft.model import Eagle3Draft
+from eagleforge.target.teacher import Teacher
+
+
+@dataclass
+class TTTBatch:
+    """One micro-batch as the TTT sees it (right-padded)."""
+
+    input_ids_BT: torch.Tensor
+    valid_BT: torch.Tensor  # bool: real token (not padding)
+    loss_mask_BT: torch.Tensor  # bool: supervised (assistant) token
+    aux_BTA: torch.Tensor  # concat of the three target aux hidden states
+    teacher: Teacher
+
+
+@dataclass
+class TTTStats:
+    """Per-step sums over one micro-batch; divide by global counts for the loss and accuracy."""
+
+    loss_sum_k: torch.Tensor  # soft cross-entropy summed over counted positions (has grad)
+    num_counted_k: torch.Tensor  # counted positions (long)
+    num_correct_k: torch.Tensor  # counted positions where d2t(argmax draft) == target argmax
+
+
+def shift_left(x_BT: torch.Tensor, n: int) -> torch.Tensor:
+    """out[:, t] = x[:, t + n], zero (False) past the end."""
+    out = torch.zeros_like(x_BT)
+    if n < x_BT.shape[1]:
+        out[:, : x_BT.shape[1] - n] = x_BT[:, n:]
+    return out
+
+
+def counted_positions(
+    loss_mask_BT: torch.Tensor, valid_BT: torch.Tensor, in_draft_BT: torch.Tensor, step: int
+) -> torch.Tensor:
+    """Bool [B, T]: positions t whose step-``step`` prediction of x_{t+2+step} enters the loss."""
+    supervised = shift_left(loss_mask_BT.bool() & valid_BT.bool(), 2 + step)
+    return supervised & shift_left(in_draft_BT.bool(), 1 + step)
+
+
+def count_positions(batch: TTTBatch, ttt_length: int) -> torch.Tensor:
+    """Counted positions per step [k] for one micro-batch (for global loss normalisation)."""
+    return torch.stack(
+        [
+            counted_positions(batch.loss_mask_BT, batch.valid_BT, batch.teacher.in_draft_BT, i).sum()
+            for i in range(ttt_length)
+        ]
+    )
+
+
+def draft_step(
+    draft: Eagle3Draft,
+    input_ids_BT: torch.Tensor,
+    hidden_BTH: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    valid_BT: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
+    """One draft-layer pass of a TTT step; appends this step's keys/values; returns pre-norm [B,T,H]."""
+    layer = draft.midlayer
+    embeds_BTH = draft.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
+    x_BTX = torch.cat([layer.input_layernorm(embeds_BTH), layer.hidden_norm(hidden_BTH)], dim=-1)
+    cos, sin = draft.rope(position_ids_BT, x_BTX.dtype)
+    q, k, v = layer.self_attn.project(x_BTX, cos, sin)
+    keys.append(k)
+    values.append(v)
+    attn = layer.self_attn.o_proj(eager_ttt_attention(q, keys, values, valid_BT))
+    hidden_BTH = hidden_BTH + attn
+    return hidden_BTH + layer.mlp(layer.post_attention_layernorm(hidden_BTH))
+
+
+def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, ttt_length: int) -> TTTStats:
+    """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts."""
+    input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
+    teacher = batch.teacher
+    seq = input_ids.shape[1]
+    positions_BT = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+    hidden_BTH = draft.fc(batch.aux_BTA.to(draft.fc.weight.dtype))
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    losses, counts, corrects = [], [], []
+    for step in range(ttt_length):
+        hidden_BTH = draft_step(
+            draft, shift_left(input_ids, 1 + step), hidden_BTH, positions_BT + step, valid, keys, values
+        )
+        counted_BT = counted_positions(batch.loss_mask_BT, valid, teacher.in_draft_BT, step)
+        rows, cols = counted_BT.nonzero(as_tuple=True)
+        logits_nW = draft.lm_head(draft.norm(hidden_BTH[rows, cols])).float()
+        target_probs_nW = teacher.probs_BTW[rows, cols + 1 + step]
+        log_probs_nW = torch.log_softmax(logits_nW, dim=-1)
+        losses.append(-(target_probs_nW * log_probs_nW).sum())
+        predicted = draft.draft_to_target_ids(logits_nW.argmax(dim=-1))
+        corrects.append((predicted == teacher.target_ids_BT[rows, cols + 1 + step]).sum())
+        counts.append(torch.tensor(rows.numel(), device=input_ids.device))
+    return TTTStats(torch.stack(losses), torch.stack(counts), torch.stack(corrects))
+
+
+def step_weights(ttt_length: int, decay: float, device: torch.device | None = None) -> torch.Tensor:
+    """Loss weight of each TTT step: decay ** i."""
+    return decay ** torch.arange(ttt_length, dtype=torch.float32, device=device)
+
+
+def weighted_loss(stats: TTTStats, global_counts_k: torch.Tensor, weights_k: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i · loss_sum_i / N_i, with N_i the counted positions of the whole optimizer step.
+
+    Summing this over the micro-batches (and data-parallel ranks) of a step gives the global
+    token-normalised loss, whatever the padding or the split into micro-batches.
+    """
+    return (weights_k * stats.loss_sum_k / global_counts_k.clamp(min=1)).sum()
+
+
+def simulated_acceptance_length(acc_k: list[float]) -> float:
+    """τ_sim = 1 + Σ_j Π_{i<=j} acc_i (the 1 is the target's own token)."""
+    tau, survive = 1.0, 1.0
+    for acc in acc_k:
+        survive *= acc
+        tau += survive
+    return tau

@@ -1,0 +1,90 @@
+"""transformers target backend: one forward gives the aux hidden states and the final hidden state.
+
+The aux states are captured with forward hooks on the chosen decoder layers, and the forward
+stops before the lm_head (the teacher is computed in chunks from the final hidden state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eagleforge.errors import ConfigError
+from eagleforge.target import TargetConfig, TargetOutput
+from eagleforge.target.source import default_aux_layer_ids
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ConfigError(f"cannot find decoder layers in {type(model).__name__}; use a decoder-only LLM.")
+    return layers
+
+
+class HFTarget:
+    """A frozen ``AutoModelForCausalLM`` with aux-layer capture."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        aux_layer_ids: list[int] | None = None,
+    ) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config
+        self.layers = _decoder_layers(model)
+        num_layers = len(self.layers)
+        self.aux_layer_ids = list(aux_layer_ids or default_aux_layer_ids(num_layers))
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ConfigError(
+                f"model.aux_layer_ids {self.aux_layer_ids} has ids outside 0..{num_layers - 1} "
+                f"(the target has {num_layers} layers)."
+            )
+        self._captured: dict[int, torch.Tensor] = {}
+        for layer_id in self.aux_layer_ids:
+            self.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        cfg: TargetConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        aux_layer_ids: list[int] | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+    ) -> HFTarget:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+        ).to(device)
+        return cls(model, aux_layer_ids)
+
+    def _capture_hook(self, layer_id: int):  # type: ignore[no-untyped-def]
+        def hook(_module, _inputs, output):  # type: ignore[no-untyped-def]
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.no_grad()
+    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> TargetOutput:
+        self._captured.clear()
+        base = self.model.get_decoder()
+        out = base(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        self._captured.clear()
+        return TargetOutput(aux_BTA=aux, final_hidden_BTH=out.last_hidden_state)
+
+    def input_embedding(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight

@@ -1,0 +1,164 @@
+"""Train an EAGLE-3 draft for a frozen target LLM.
+
+    python -m eagleforge.train +model=smollm2 data=chitchat [key=value ...]
+    python -m eagleforge.train -m +model=tiny data=chitchat optimizer.lr=1e-4,3e-4   # sweep
+
+Builds the components from the typed config and hands them to the Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.data.dataset import Collator, build_datasets
+from eagleforge.data.vocab import build_vocab_map, count_supervised_tokens
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.errors import ConfigError, EagleForgeError
+from eagleforge.optim import build_optimizer
+from eagleforge.parallel import resolve_device
+from eagleforge.target.hf import HFTarget
+from eagleforge.target.source import TargetDType, resolve_model_dir
+from eagleforge.target.teacher import teacher_batch
+from eagleforge.tracking import MLflowTracker, build_tracker, flatten
+from eagleforge.trainer import Trainer, TrainResult
+
+log = logging.getLogger("eagleforge.train")
+
+
+def target_dtype(choice: TargetDType, device: torch.device) -> torch.dtype:
+    if choice == TargetDType.auto:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, choice.value)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: DictConfig) -> TrainResult:
+    """Build everything from a composed config and train; returns the trainer's result."""
+    config: EagleForgeConfig = to_typed(cfg)
+    device = resolve_device(config.parallel)
+    seed_everything(config.seed)
+    cache_dir = config.resolved_cache_dir()
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(config.model, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+    if not tokenizer.chat_template:
+        raise ConfigError(f"the tokenizer of model '{config.model.name}' has no chat template.")
+    train_set, eval_set = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    log.info("data: %d train / %d eval conversations, %d train tokens",
+             len(train_set), len(eval_set or []), train_set.num_tokens())
+
+    target = HFTarget.from_pretrained(
+        model_dir, config.target, target_dtype(config.model.dtype, device), device,
+        aux_layer_ids=config.model.aux_layer_ids, trust_remote_code=config.model.trust_remote_code,
+        revision=config.model.revision,
+    )
+    arch = DraftArchitecture.from_target(target.config, config.draft, target.aux_layer_ids)
+    vocab = build_vocab_map(count_supervised_tokens(train_set, arch.vocab_size), arch.draft_vocab_size)
+    draft = Eagle3Draft(arch)
+    draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
+    draft.load_embedding(target.input_embedding().detach().cpu())
+    draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
+    draft.to(device)
+    draft_ids_W, t2d_V = vocab.draft_ids_W.to(device), vocab.t2d_V.to(device)
+
+    trainer_cfg = config.trainer
+    collate = Collator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+    def train_loader(epoch: int) -> torch.utils.data.DataLoader:
+        order = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)
+        return torch.utils.data.DataLoader(train_set, batch_size=trainer_cfg.batch_size, shuffle=True,
+                                           generator=order, collate_fn=collate)
+
+    eval_loader = (torch.utils.data.DataLoader(eval_set, batch_size=trainer_cfg.batch_size, collate_fn=collate)
+                   if eval_set is not None else None)
+    steps_per_epoch = math.ceil(len(train_set) / (trainer_cfg.batch_size * trainer_cfg.grad_accum_steps))
+    max_num_steps = trainer_cfg.max_num_steps or trainer_cfg.num_epochs * steps_per_epoch
+    optimizer, scheduler = build_optimizer(config.optimizer, draft, max_num_steps)
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    config_yaml = OmegaConf.to_yaml(container)
+    run_name = f"{config.model.name}-{config.data.name}-{output_dir.name}"
+    tracker = build_tracker(config.tracker, config.output_root, run_name)
+    tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
+
+    trainer = Trainer(
+        draft=draft,
+        make_batch=lambda batch: teacher_batch(target, batch, draft_ids_W, t2d_V, config.target.teacher_chunk_size),
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tracker=tracker,
+        cfg=trainer_cfg,
+        draft_cfg=config.draft,
+        max_grad_norm=config.optimizer.max_grad_norm,
+        max_num_steps=max_num_steps,
+        device=device,
+        output_dir=output_dir,
+        config_yaml=config_yaml,
+    )
+    result = trainer.train()
+    summary = {"step": result.step, "checkpoint": str(result.checkpoint),
+               "initial_eval": result.initial_eval, "final_eval": result.final_eval}
+    summary_path = output_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    tracker.log_artifact(summary_path)
+    print_summary(result, tracker)
+    tracker.close()
+    return result
+
+
+def print_summary(result: TrainResult, tracker: object) -> None:
+    lines = [f"\nTrained {result.step} steps."]
+    final, initial = result.final_eval, result.initial_eval
+    if final:
+        accs = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in final.items() if k.startswith("eval/acc_"))
+        lines.append("eval accuracy per TTT position (untrained -> trained):")
+        for position, value in accs:
+            before = initial.get(f"eval/acc_{position}")
+            prefix = f"{before:.3f} -> " if before is not None else ""
+            lines.append(f"  acc_{position}: {prefix}{value:.3f}")
+        before_tau = f"{initial['eval/tau_sim']:.3f} -> " if "eval/tau_sim" in initial else ""
+        lines.append(f"tau_sim (simulated acceptance length): {before_tau}{final['eval/tau_sim']:.3f}")
+    lines.append(f"checkpoint (SGLang draft dir): {result.checkpoint}")
+    if isinstance(tracker, MLflowTracker):
+        lines.append(f"browse the run: mlflow ui --backend-store-uri {tracker.tracking_uri}")
+    print("\n".join(lines), flush=True)
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except EagleForgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

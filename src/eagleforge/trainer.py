@@ -1,0 +1,225 @@
+"""The Trainer: takes built components and runs the training loop.
+
+Each optimizer step runs the target on ``grad_accum_steps`` micro-batches, counts the loss
+positions of the whole step, then runs the unrolled TTT and backward per micro-batch with the
+loss normalised by that global count -- so the result does not depend on padding or on how
+the step is split. Eval, checkpoints and metrics happen on the step boundaries configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eagleforge.checkpoint import save_checkpoint
+from eagleforge.draft.model import DraftConfig, Eagle3Draft
+from eagleforge.draft.ttt import (
+    TTTBatch,
+    count_positions,
+    simulated_acceptance_length,
+    step_weights,
+    ttt_forward,
+    weighted_loss,
+)
+from eagleforge.errors import ConfigError
+from eagleforge.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerConfig:
+    """The `trainer` config section."""
+
+    # Sequences per micro-batch.
+    batch_size: int = 1
+    # Micro-batches per optimizer step (gradient accumulation).
+    grad_accum_steps: int = 1
+    # Passes over the training data (used when max_num_steps is null).
+    num_epochs: int = 1
+    # Optimizer steps to run; null = num_epochs x steps per epoch.
+    max_num_steps: int | None = None
+    # Log train metrics every N optimizer steps (averaged over the window).
+    log_every_n_steps: int = 10
+    # Evaluate on the held-out data every N optimizer steps (0 = only at the end).
+    eval_every_n_steps: int = 0
+    # Also evaluate before the first step (the untrained baseline).
+    eval_at_start: bool = True
+    # Save a checkpoint every N optimizer steps (0 = only at the end).
+    save_every_n_steps: int = 0
+    # Show a tqdm progress bar.
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum_steps", "num_epochs", "log_every_n_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_num_steps is not None and self.max_num_steps < 1:
+            raise ConfigError(f"trainer.max_num_steps must be >= 1 or null, got {self.max_num_steps}.")
+        for name in ("eval_every_n_steps", "save_every_n_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}.")
+
+
+@dataclass
+class StepSums:
+    """Per-TTT-step sums over any number of micro-batches."""
+
+    loss_sum_k: torch.Tensor
+    num_counted_k: torch.Tensor
+    num_correct_k: torch.Tensor
+    num_tokens: int = 0
+
+    @classmethod
+    def zeros(cls, ttt_length: int) -> StepSums:
+        return cls(torch.zeros(ttt_length, dtype=torch.float64), torch.zeros(ttt_length, dtype=torch.long),
+                   torch.zeros(ttt_length, dtype=torch.long))
+
+    def add(self, loss_sum_k: torch.Tensor, counted_k: torch.Tensor, correct_k: torch.Tensor, tokens: int) -> None:
+        self.loss_sum_k += loss_sum_k.detach().double().cpu()
+        self.num_counted_k += counted_k.cpu()
+        self.num_correct_k += correct_k.cpu()
+        self.num_tokens += tokens
+
+    def metrics(self, prefix: str, weights_k: torch.Tensor) -> dict[str, float]:
+        counts = self.num_counted_k.clamp(min=1)
+        loss_k = self.loss_sum_k / counts
+        acc_k = (self.num_correct_k.double() / counts).tolist()
+        out = {f"{prefix}/loss": float((weights_k.double() * loss_k).sum())}
+        out.update({f"{prefix}/loss_{i}": float(v) for i, v in enumerate(loss_k.tolist())})
+        out.update({f"{prefix}/acc_{i}": float(v) for i, v in enumerate(acc_k)})
+        out[f"{prefix}/tau_sim"] = simulated_acceptance_length(acc_k)
+        out[f"{prefix}/num_counted_0"] = float(self.num_counted_k[0])
+        return out
+
+
+@dataclass
+class TrainResult:
+    step: int
+    final_eval: dict[str, float] = field(default_factory=dict)
+    initial_eval: dict[str, float] = field(default_factory=dict)
+    train_losses: list[float] = field(default_factory=list)
+    checkpoint: Path | None = None
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        draft: Eagle3Draft,
+        make_batch: Callable[[dict[str, torch.Tensor]], TTTBatch],
+        train_loader: Callable[[int], torch.utils.data.DataLoader],
+        eval_loader: torch.utils.data.DataLoader | None,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        tracker: Tracker,
+        cfg: TrainerConfig,
+        draft_cfg: DraftConfig,
+        max_grad_norm: float,
+        max_num_steps: int,
+        device: torch.device,
+        output_dir: Path,
+        config_yaml: str,
+    ) -> None:
+        self.draft, self.make_batch = draft, make_batch
+        self.train_loader, self.eval_loader = train_loader, eval_loader
+        self.optimizer, self.scheduler, self.tracker = optimizer, scheduler, tracker
+        self.cfg, self.ttt_length = cfg, draft_cfg.ttt_length
+        self.weights_k = step_weights(draft_cfg.ttt_length, draft_cfg.step_weight_decay, device)
+        self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
+        self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml
+        self.step, self.epoch, self.batches_into_epoch = 0, 0, 0
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def micro_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches forever, epoch after epoch, each epoch in its own seeded order."""
+        while True:
+            for batch in self.train_loader(self.epoch):
+                self.batches_into_epoch += 1
+                yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            self.epoch, self.batches_into_epoch = self.epoch + 1, 0
+
+    def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
+        batches = [self.make_batch(b) for b in raw]
+        global_counts_k = sum(count_positions(b, self.ttt_length) for b in batches)
+        sums = StepSums.zeros(self.ttt_length)
+        self.optimizer.zero_grad(set_to_none=True)
+        for batch in batches:
+            with self.autocast:
+                stats = ttt_forward(self.draft, batch, self.ttt_length)
+                loss = weighted_loss(stats, global_counts_k, self.weights_k)
+            loss.backward()
+            sums.add(stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k, int(batch.valid_BT.sum()))
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        return sums, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        assert self.eval_loader is not None
+        self.draft.eval()
+        sums = StepSums.zeros(self.ttt_length)
+        for raw in self.eval_loader:
+            batch = self.make_batch({k: v.to(self.device) for k, v in raw.items()})
+            with self.autocast:
+                stats = ttt_forward(self.draft, batch, self.ttt_length)
+            sums.add(stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k, int(batch.valid_BT.sum()))
+        self.draft.train()
+        return sums.metrics("eval", self.weights_k)
+
+    def save(self) -> Path:
+        progress = {"step": self.step, "epoch": self.epoch, "batches_into_epoch": self.batches_into_epoch}
+        path = self.output_dir / "checkpoints" / f"step_{self.step:08d}"
+        return save_checkpoint(path, self.draft, self.optimizer, self.scheduler, progress, self.config_yaml)
+
+    def _eval_and_log(self, result: TrainResult) -> dict[str, float]:
+        metrics = self.evaluate()
+        self.tracker.log_metrics(metrics, step=self.step)
+        result.final_eval = metrics
+        return metrics
+
+    def train(self) -> TrainResult:
+        cfg, result = self.cfg, TrainResult(step=0)
+        self.draft.train()
+        if self.eval_loader is not None and cfg.eval_at_start:
+            result.initial_eval = self._eval_and_log(result)
+        batches = self.micro_batches()
+        window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
+        bar = tqdm(total=self.max_num_steps, desc="train", unit="step", disable=not cfg.progress_bar,
+                   dynamic_ncols=True)
+        while self.step < self.max_num_steps:
+            sums, grad_norm = self.train_step([next(batches) for _ in range(cfg.grad_accum_steps)])
+            self.step += 1
+            window.add(sums.loss_sum_k, sums.num_counted_k, sums.num_correct_k, sums.num_tokens)
+            step_metrics = sums.metrics("train", self.weights_k)
+            result.train_losses.append(step_metrics["train/loss"])
+            tokens_per_s = window.num_tokens / max(time.perf_counter() - window_start, 1e-9)
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_metrics['train/loss']:.3f}", acc_0=f"{step_metrics['train/acc_0']:.3f}",
+                            tok_s=f"{tokens_per_s:.0f}")
+            if self.step % cfg.log_every_n_steps == 0 or self.step == self.max_num_steps:
+                metrics = window.metrics("train", self.weights_k)
+                metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": grad_norm,
+                                "train/tokens_per_s": tokens_per_s, "train/epoch": float(self.epoch)})
+                self.tracker.log_metrics(metrics, step=self.step)
+                window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
+            if self.eval_loader is not None and cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
+                self._eval_and_log(result)
+            if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0:
+                result.checkpoint = self.save()
+        bar.close()
+        if self.eval_loader is not None and not (cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0):
+            self._eval_and_log(result)
+        if not (cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0):
+            result.checkpoint = self.save()
+        result.step = self.step
+        return result
