@@ -20,7 +20,15 @@ import torch
 
 from eagleforge.draft.attention import eager_ttt_attention
 from eagleforge.draft.model import Eagle3Draft
-from eagleforge.target.teacher import Teacher
+
+
+@dataclass
+class Teacher:
+    """What the loss needs from the target at each position t (predicting x_{t+1})."""
+
+    probs_BTW: torch.Tensor  # fp32 softmax over draft-vocab ids, renormalised
+    target_ids_BT: torch.Tensor  # argmax over the full target vocab
+    in_draft_BT: torch.Tensor  # bool: that argmax is a draft-vocab id
 
 
 @dataclass

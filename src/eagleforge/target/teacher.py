@@ -8,18 +8,9 @@ Shape suffixes: B batch, T sequence, H target hidden, V target vocab, W draft vo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class Teacher:
-    """What the loss needs from the target at each position t (predicting x_{t+1})."""
-
-    probs_BTW: torch.Tensor  # fp32 softmax over draft-vocab ids, renormalised
-    target_ids_BT: torch.Tensor  # argmax over the full target vocab
-    in_draft_BT: torch.Tensor  # bool: that argmax is a draft-vocab id
+from eagleforge.draft.ttt import Teacher, TTTBatch, shift_left
 
 
 @torch.no_grad()
@@ -29,20 +20,30 @@ def compute_teacher(
     draft_ids_W: torch.Tensor,
     t2d_V: torch.Tensor,
     chunk_size: int = 1024,
+    needed_BT: torch.Tensor | None = None,
 ) -> Teacher:
-    """Teacher from the target's final hidden states, ``chunk_size`` positions at a time."""
+    """Teacher from the target's final hidden states, ``chunk_size`` positions at a time.
+
+    Only positions in ``needed_BT`` (default: all) go through the lm_head; elsewhere the
+    probabilities are zero and ``in_draft`` is False, so those positions never count.
+    """
     batch, seq, hidden = final_hidden_BTH.shape
+    if needed_BT is None:
+        needed_BT = torch.ones(batch, seq, dtype=torch.bool, device=final_hidden_BTH.device)
+    rows_N = needed_BT.reshape(-1).nonzero().squeeze(1)
     flat_NH = final_hidden_BTH.reshape(batch * seq, hidden)
-    probs, target_ids = [], []
-    for start in range(0, flat_NH.shape[0], chunk_size):
-        logits_CV = (flat_NH[start : start + chunk_size] @ lm_head_VH.T).float()
-        target_ids.append(logits_CV.argmax(dim=-1))
-        probs.append(torch.softmax(logits_CV[:, draft_ids_W], dim=-1))
-    target_ids_BT = torch.cat(target_ids).view(batch, seq)
+    probs_BTW = torch.zeros(batch * seq, draft_ids_W.numel(), dtype=torch.float32, device=flat_NH.device)
+    target_ids_BT = torch.zeros(batch * seq, dtype=torch.long, device=flat_NH.device)
+    for start in range(0, rows_N.numel(), chunk_size):
+        rows = rows_N[start : start + chunk_size]
+        logits_CV = (flat_NH[rows] @ lm_head_VH.T).float()
+        target_ids_BT[rows] = logits_CV.argmax(dim=-1)
+        probs_BTW[rows] = torch.softmax(logits_CV[:, draft_ids_W], dim=-1)
+    needed_flat = needed_BT.reshape(-1)
     return Teacher(
-        probs_BTW=torch.cat(probs).view(batch, seq, -1),
-        target_ids_BT=target_ids_BT,
-        in_draft_BT=t2d_V[target_ids_BT],
+        probs_BTW=probs_BTW.view(batch, seq, -1),
+        target_ids_BT=target_ids_BT.view(batch, seq),
+        in_draft_BT=(t2d_V[target_ids_BT] & needed_flat).view(batch, seq),
     )
 
 
@@ -52,12 +53,14 @@ def teacher_batch(
     draft_ids_W: torch.Tensor,
     t2d_V: torch.Tensor,
     chunk_size: int,
-):  # type: ignore[no-untyped-def]
+) -> TTTBatch:
     """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``)."""
-    from eagleforge.draft.ttt import TTTBatch
-
     out = target.forward(batch["input_ids"], batch["attention_mask"])
-    teacher = compute_teacher(out.final_hidden_BTH, target.lm_head_weight(), draft_ids_W, t2d_V, chunk_size)
+    # The teacher at position p is only ever used to predict a supervised token x_{p+1}.
+    needed_BT = shift_left(batch["loss_mask"] & batch["attention_mask"], 1)
+    teacher = compute_teacher(
+        out.final_hidden_BTH, target.lm_head_weight(), draft_ids_W, t2d_V, chunk_size, needed_BT
+    )
     return TTTBatch(
         input_ids_BT=batch["input_ids"],
         valid_BT=batch["attention_mask"],

