@@ -91,3 +91,12 @@ def to_typed(cfg: DictConfig) -> EagleForgeConfig:
         raise ConfigError(f"{key}: {e.msg}" if key else str(e)) from None
     assert isinstance(typed, EagleForgeConfig)
     return typed
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose the config as the CLI would (for tests, notebooks and other entry points)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=overrides)

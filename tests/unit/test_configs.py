@@ -1,0 +1,89 @@
+"""Every file under conf/ composes into typed dataclasses, and bad configs fail with one clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
+from eagleforge.data.dataset import build_datasets
+from eagleforge.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+BASE = ["+model=tiny", "data=chitchat", "output_dir=/tmp/unused"]
+GROUPS = ["model", "data", "target", "parallel", "optimizer", "tracker", "experiment"]
+
+
+def _overrides_for(group: str, choice: str) -> list[str]:
+    base = [o for o in BASE if not o.startswith(("+model=", "data="))]
+    model = f"+model={choice}" if group == "model" else "+model=tiny"
+    data = f"data={choice}" if group == "data" else "data=chitchat"
+    extra = {"data": [f"data.path={FIXTURES / 'sharegpt_small.jsonl'}"] if choice != "chitchat" else []}
+    picked = [] if group in ("model", "data") else [f"+{group}={choice}" if group == "experiment" else f"{group}={choice}"]
+    return [*base, model, data, *picked, *extra.get(group, [])]
+
+
+@pytest.mark.parametrize(
+    ("group", "choice"), [(g, c) for g in GROUPS for c in group_choices(g)], ids=lambda x: str(x)
+)
+def test_every_conf_file_composes_and_types(group: str, choice: str) -> None:
+    typed = to_typed(compose_config(_overrides_for(group, choice)))
+    assert isinstance(typed, EagleForgeConfig)
+    if group == "model":
+        assert typed.model.name == choice
+
+
+def test_conf_tree_has_every_group() -> None:
+    for group in GROUPS:
+        assert group_choices(group), f"conf/{group}/ is empty"
+    assert {"tiny", "smollm2", "llama3", "qwen3"} <= set(group_choices("model"))
+    assert {"chitchat", "sharegpt", "jsonl"} <= set(group_choices("data"))
+    assert (conf_dir() / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("data", ["sharegpt", "jsonl"])
+def test_data_files_build_datasets(data: str, smollm2_tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fixture = "sharegpt_small.jsonl" if data == "sharegpt" else "openai_small.jsonl"
+    typed = to_typed(compose_config(
+        ["+model=tiny", f"data={data}", f"data.path={FIXTURES / fixture}", "data.num_eval_samples=1",
+         "output_dir=/tmp/unused"]
+    ))
+    train, held_out = build_datasets(typed.data, smollm2_tokenizer, tmp_path, seed=0)
+    assert len(train) >= 3 and held_out is not None and len(held_out) == 1
+    assert all(sum(mask) > 0 for _, mask in train)
+
+
+def test_missing_model_names_the_choices() -> None:
+    with pytest.raises(ConfigError) as info:
+        to_typed(compose_config(["data=chitchat", "output_dir=/tmp/unused"]))
+    message = str(info.value)
+    assert "+model=" in message
+    for name in ("llama3", "qwen3", "smollm2", "tiny"):
+        assert name in message
+
+
+def test_missing_data_path_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"data\.path is required"):
+        to_typed(compose_config(["+model=tiny", "data=sharegpt", "output_dir=/tmp/unused"]))
+
+
+def test_invariant_error_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.batch_size must be >= 1"):
+        to_typed(compose_config([*BASE, "trainer.batch_size=0"]))
+    with pytest.raises(ConfigError, match=r"draft\.ttt_length"):
+        to_typed(compose_config([*BASE, "draft.ttt_length=0"]))
+
+
+def test_enum_error_lists_allowed_values() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config([*BASE, "optimizer.kind=sgd"])
+    assert "adamw" in str(info.value.__cause__) and "optimizer.kind" in str(info.value.__cause__)
+
+
+def test_unknown_field_is_rejected() -> None:
+    with pytest.raises(ConfigCompositionException):
+        compose_config([*BASE, "trainer.num_epoch=3"])
