@@ -16,7 +16,14 @@ import time
 import torch
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import Teacher, TTTBatch, count_positions, step_weights, ttt_forward, weighted_loss
+from eagleforge.draft.ttt import (
+    Teacher,
+    TTTBatch,
+    count_positions,
+    step_weights,
+    ttt_forward,
+    weighted_loss,
+)
 
 SHAPES = {
     # name: (hidden, vocab, draft vocab, seq)
@@ -26,12 +33,22 @@ SHAPES = {
 }
 
 
-def make_inputs(hidden: int, vocab: int, draft_vocab: int, seq: int) -> tuple[Eagle3Draft, TTTBatch]:
+def make_inputs(
+    hidden: int, vocab: int, draft_vocab: int, seq: int
+) -> tuple[Eagle3Draft, TTTBatch]:
     arch = DraftArchitecture(
-        hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128), head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=4 * seq, vocab_size=vocab, draft_vocab_size=draft_vocab,
-        target_hidden_size=hidden, aux_layer_ids=[1, 2, 3],
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4 * seq,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=hidden,
+        aux_layer_ids=[1, 2, 3],
     )
     generator = torch.Generator().manual_seed(0)
     draft = Eagle3Draft(arch)
@@ -47,9 +64,11 @@ def make_inputs(hidden: int, vocab: int, draft_vocab: int, seq: int) -> tuple[Ea
         in_draft_BT=torch.ones(1, seq, dtype=torch.bool),
     )
     batch = TTTBatch(
-        input_ids_BT=input_ids, valid_BT=torch.ones(1, seq, dtype=torch.bool),
+        input_ids_BT=input_ids,
+        valid_BT=torch.ones(1, seq, dtype=torch.bool),
         loss_mask_BT=torch.ones(1, seq, dtype=torch.bool),
-        aux_BTA=torch.randn(1, seq, 3 * hidden, generator=generator), teacher=teacher,
+        aux_BTA=torch.randn(1, seq, 3 * hidden, generator=generator),
+        teacher=teacher,
     )
     return draft, batch
 
@@ -70,10 +89,20 @@ def bench(name: str, steps: int, ttt_length: int) -> dict[str, float | str | int
         step()
     seconds = (time.perf_counter() - start) / steps
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"bench": "ttt_step", "shape": name, "attention": "eager", "hidden": hidden, "vocab": vocab,
-            "draft_vocab": draft_vocab, "seq": seq, "ttt_length": ttt_length, "threads": torch.get_num_threads(),
-            "tokens_per_s": round(seq / seconds, 1), "seconds_per_step": round(seconds, 3),
-            "peak_rss_gib": round(peak_rss_gib, 2)}
+    return {
+        "bench": "ttt_step",
+        "shape": name,
+        "attention": "eager",
+        "hidden": hidden,
+        "vocab": vocab,
+        "draft_vocab": draft_vocab,
+        "seq": seq,
+        "ttt_length": ttt_length,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": round(seq / seconds, 1),
+        "seconds_per_step": round(seconds, 3),
+        "peak_rss_gib": round(peak_rss_gib, 2),
+    }
 
 
 def main() -> None:
@@ -83,10 +112,14 @@ def main() -> None:
     parser.add_argument("--shapes", default="small", help=f"comma-separated, from {sorted(SHAPES)}")
     args = parser.parse_args()
     rows = [bench(name, args.steps, args.ttt_length) for name in args.shapes.split(",")]
-    print(f"{'shape':<12} {'seq':>6} {'vocab':>7} {'draft':>6} {'tok/s':>8} {'s/step':>7} {'RSS GiB':>8}")
+    print(
+        f"{'shape':<12} {'seq':>6} {'vocab':>7} {'draft':>6} {'tok/s':>8} {'s/step':>7} {'RSS GiB':>8}"
+    )
     for r in rows:
-        print(f"{r['shape']:<12} {r['seq']:>6} {r['vocab']:>7} {r['draft_vocab']:>6} "
-              f"{r['tokens_per_s']:>8} {r['seconds_per_step']:>7} {r['peak_rss_gib']:>8}")
+        print(
+            f"{r['shape']:<12} {r['seq']:>6} {r['vocab']:>7} {r['draft_vocab']:>6} "
+            f"{r['tokens_per_s']:>8} {r['seconds_per_step']:>7} {r['peak_rss_gib']:>8}"
+        )
     for r in rows:
         print(json.dumps(r))
 

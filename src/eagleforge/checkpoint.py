@@ -24,11 +24,16 @@ TRAINING_STATE = "training_state.pt"
 
 
 def rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.copy()), "pos": pos,
-                  "has_gauss": has_gauss, "cached_gaussian": cached},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(np.array(keys, dtype=np.uint32)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached_gaussian": cached,
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -50,8 +55,12 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     export_sglang(draft, tmp)
     torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-         "rng": rng_state(), "progress": dict(progress)},
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_state(),
+            "progress": dict(progress),
+        },
         tmp / TRAINING_STATE,
     )
     (tmp / "config.yaml").write_text(config_yaml)

@@ -64,7 +64,11 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        params,
+        lr=cfg.lr,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
     )
     warmup_steps = int(cfg.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -80,7 +80,9 @@ class ConsoleTracker:
 class MLflowTracker:
     """An MLflow run: params, slash-scoped metrics with steps, artifacts."""
 
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str, artifact_root: Path) -> None:
+    def __init__(
+        self, tracking_uri: str, experiment: str, run_name: str, artifact_root: Path
+    ) -> None:
         import mlflow
 
         self.mlflow = mlflow
@@ -90,7 +92,9 @@ class MLflowTracker:
         found = client.get_experiment_by_name(experiment)
         if found is None:
             # A sqlite store would otherwise put artifacts in ./mlruns of whatever the cwd is.
-            location = artifact_root.resolve().as_uri() if tracking_uri.startswith("sqlite") else None
+            location = (
+                artifact_root.resolve().as_uri() if tracking_uri.startswith("sqlite") else None
+            )
             experiment_id = client.create_experiment(experiment, artifact_location=location)
         else:
             experiment_id = found.experiment_id
@@ -129,11 +133,19 @@ def default_tracking_uri(output_root: str | Path) -> str:
     return f"sqlite:///{Path(output_root).resolve() / 'mlflow.db'}"
 
 
-def build_tracker(cfg: TrackerConfig, output_root: str | Path, run_name: str, rank: int = 0) -> Tracker:
+def build_tracker(
+    cfg: TrackerConfig, output_root: str | Path, run_name: str, rank: int = 0
+) -> Tracker:
     if rank != 0:
         return NullTracker()
     if cfg.kind == TrackerKind.console:
         return ConsoleTracker()
-    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(output_root)
+    uri = (
+        cfg.tracking_uri
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or default_tracking_uri(output_root)
+    )
     Path(output_root).mkdir(parents=True, exist_ok=True)
-    return MLflowTracker(uri, cfg.experiment, cfg.run_name or run_name, Path(output_root) / "mlartifacts")
+    return MLflowTracker(
+        uri, cfg.experiment, cfg.run_name or run_name, Path(output_root) / "mlartifacts"
+    )

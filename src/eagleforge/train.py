@@ -60,20 +60,32 @@ def run(cfg: DictConfig) -> TrainResult:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(config.model, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_dir, trust_remote_code=config.model.trust_remote_code
+    )
     if not tokenizer.chat_template:
         raise ConfigError(f"the tokenizer of model '{config.model.name}' has no chat template.")
     train_set, eval_set = build_datasets(config.data, tokenizer, cache_dir, config.seed)
-    log.info("data: %d train / %d eval conversations, %d train tokens",
-             len(train_set), len(eval_set or []), train_set.num_tokens())
+    log.info(
+        "data: %d train / %d eval conversations, %d train tokens",
+        len(train_set),
+        len(eval_set or []),
+        train_set.num_tokens(),
+    )
 
     target = HFTarget.from_pretrained(
-        model_dir, config.target, target_dtype(config.model.dtype, device), device,
-        aux_layer_ids=config.model.aux_layer_ids, trust_remote_code=config.model.trust_remote_code,
+        model_dir,
+        config.target,
+        target_dtype(config.model.dtype, device),
+        device,
+        aux_layer_ids=config.model.aux_layer_ids,
+        trust_remote_code=config.model.trust_remote_code,
         revision=config.model.revision,
     )
     arch = DraftArchitecture.from_target(target.config, config.draft, target.aux_layer_ids)
-    vocab = build_vocab_map(count_supervised_tokens(train_set, arch.vocab_size), arch.draft_vocab_size)
+    vocab = build_vocab_map(
+        count_supervised_tokens(train_set, arch.vocab_size), arch.draft_vocab_size
+    )
     draft = Eagle3Draft(arch)
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
     draft.load_embedding(target.input_embedding().detach().cpu())
@@ -82,16 +94,28 @@ def run(cfg: DictConfig) -> TrainResult:
     draft_ids_W, t2d_V = vocab.draft_ids_W.to(device), vocab.t2d_V.to(device)
 
     trainer_cfg = config.trainer
-    collate = Collator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    collate = Collator(
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
 
     def train_loader(epoch: int) -> torch.utils.data.DataLoader:
         order = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)
-        return torch.utils.data.DataLoader(train_set, batch_size=trainer_cfg.batch_size, shuffle=True,
-                                           generator=order, collate_fn=collate)
+        return torch.utils.data.DataLoader(
+            train_set,
+            batch_size=trainer_cfg.batch_size,
+            shuffle=True,
+            generator=order,
+            collate_fn=collate,
+        )
 
-    eval_loader = (torch.utils.data.DataLoader(eval_set, batch_size=trainer_cfg.batch_size, collate_fn=collate)
-                   if eval_set is not None else None)
-    steps_per_epoch = math.ceil(len(train_set) / (trainer_cfg.batch_size * trainer_cfg.grad_accum_steps))
+    eval_loader = (
+        torch.utils.data.DataLoader(eval_set, batch_size=trainer_cfg.batch_size, collate_fn=collate)
+        if eval_set is not None
+        else None
+    )
+    steps_per_epoch = math.ceil(
+        len(train_set) / (trainer_cfg.batch_size * trainer_cfg.grad_accum_steps)
+    )
     max_num_steps = trainer_cfg.max_num_steps or trainer_cfg.num_epochs * steps_per_epoch
     optimizer, scheduler = build_optimizer(config.optimizer, draft, max_num_steps)
 
@@ -103,7 +127,9 @@ def run(cfg: DictConfig) -> TrainResult:
 
     trainer = Trainer(
         draft=draft,
-        make_batch=lambda batch: teacher_batch(target, batch, draft_ids_W, t2d_V, config.target.teacher_chunk_size),
+        make_batch=lambda batch: teacher_batch(
+            target, batch, draft_ids_W, t2d_V, config.target.teacher_chunk_size
+        ),
         train_loader=train_loader,
         eval_loader=eval_loader,
         optimizer=optimizer,
@@ -118,8 +144,12 @@ def run(cfg: DictConfig) -> TrainResult:
         config_yaml=config_yaml,
     )
     result = trainer.train()
-    summary = {"step": result.step, "checkpoint": str(result.checkpoint),
-               "initial_eval": result.initial_eval, "final_eval": result.final_eval}
+    summary = {
+        "step": result.step,
+        "checkpoint": str(result.checkpoint),
+        "initial_eval": result.initial_eval,
+        "final_eval": result.final_eval,
+    }
     summary_path = output_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     tracker.log_artifact(summary_path)
@@ -132,14 +162,18 @@ def print_summary(result: TrainResult, tracker: object) -> None:
     lines = [f"\nTrained {result.step} steps."]
     final, initial = result.final_eval, result.initial_eval
     if final:
-        accs = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in final.items() if k.startswith("eval/acc_"))
+        accs = sorted(
+            (int(k.rsplit("_", 1)[1]), v) for k, v in final.items() if k.startswith("eval/acc_")
+        )
         lines.append("eval accuracy per TTT position (untrained -> trained):")
         for position, value in accs:
             before = initial.get(f"eval/acc_{position}")
             prefix = f"{before:.3f} -> " if before is not None else ""
             lines.append(f"  acc_{position}: {prefix}{value:.3f}")
         before_tau = f"{initial['eval/tau_sim']:.3f} -> " if "eval/tau_sim" in initial else ""
-        lines.append(f"tau_sim (simulated acceptance length): {before_tau}{final['eval/tau_sim']:.3f}")
+        lines.append(
+            f"tau_sim (simulated acceptance length): {before_tau}{final['eval/tau_sim']:.3f}"
+        )
     lines.append(f"checkpoint (SGLang draft dir): {result.checkpoint}")
     if isinstance(tracker, MLflowTracker):
         lines.append(f"browse the run: mlflow ui --backend-store-uri {tracker.tracking_uri}")

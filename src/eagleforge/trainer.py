@@ -61,7 +61,9 @@ class TrainerConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}.")
         if self.max_num_steps is not None and self.max_num_steps < 1:
-            raise ConfigError(f"trainer.max_num_steps must be >= 1 or null, got {self.max_num_steps}.")
+            raise ConfigError(
+                f"trainer.max_num_steps must be >= 1 or null, got {self.max_num_steps}."
+            )
         for name in ("eval_every_n_steps", "save_every_n_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}.")
@@ -78,10 +80,19 @@ class StepSums:
 
     @classmethod
     def zeros(cls, ttt_length: int) -> StepSums:
-        return cls(torch.zeros(ttt_length, dtype=torch.float64), torch.zeros(ttt_length, dtype=torch.long),
-                   torch.zeros(ttt_length, dtype=torch.long))
+        return cls(
+            torch.zeros(ttt_length, dtype=torch.float64),
+            torch.zeros(ttt_length, dtype=torch.long),
+            torch.zeros(ttt_length, dtype=torch.long),
+        )
 
-    def add(self, loss_sum_k: torch.Tensor, counted_k: torch.Tensor, correct_k: torch.Tensor, tokens: int) -> None:
+    def add(
+        self,
+        loss_sum_k: torch.Tensor,
+        counted_k: torch.Tensor,
+        correct_k: torch.Tensor,
+        tokens: int,
+    ) -> None:
         self.loss_sum_k += loss_sum_k.detach().double().cpu()
         self.num_counted_k += counted_k.cpu()
         self.num_correct_k += correct_k.cpu()
@@ -135,7 +146,9 @@ class Trainer:
         self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
         self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml
         self.step, self.epoch, self.batches_into_epoch = 0, 0, 0
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        self.autocast = torch.autocast(
+            device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"
+        )
 
     def micro_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Micro-batches forever, epoch after epoch, each epoch in its own seeded order."""
@@ -147,7 +160,7 @@ class Trainer:
 
     def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
         batches = [self.make_batch(b) for b in raw]
-        global_counts_k = sum(count_positions(b, self.ttt_length) for b in batches)
+        global_counts_k = torch.stack([count_positions(b, self.ttt_length) for b in batches]).sum(0)
         sums = StepSums.zeros(self.ttt_length)
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
@@ -155,7 +168,12 @@ class Trainer:
                 stats = ttt_forward(self.draft, batch, self.ttt_length)
                 loss = weighted_loss(stats, global_counts_k, self.weights_k)
             loss.backward()
-            sums.add(stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k, int(batch.valid_BT.sum()))
+            sums.add(
+                stats.loss_sum_k,
+                stats.num_counted_k,
+                stats.num_correct_k,
+                int(batch.valid_BT.sum()),
+            )
         params = [p for p in self.draft.parameters() if p.requires_grad]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -172,14 +190,25 @@ class Trainer:
             batch = self.make_batch({k: v.to(self.device) for k, v in raw.items()})
             with self.autocast:
                 stats = ttt_forward(self.draft, batch, self.ttt_length)
-            sums.add(stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k, int(batch.valid_BT.sum()))
+            sums.add(
+                stats.loss_sum_k,
+                stats.num_counted_k,
+                stats.num_correct_k,
+                int(batch.valid_BT.sum()),
+            )
         self.draft.train()
         return sums.metrics("eval", self.weights_k)
 
     def save(self) -> Path:
-        progress = {"step": self.step, "epoch": self.epoch, "batches_into_epoch": self.batches_into_epoch}
+        progress = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_into_epoch": self.batches_into_epoch,
+        }
         path = self.output_dir / "checkpoints" / f"step_{self.step:08d}"
-        return save_checkpoint(path, self.draft, self.optimizer, self.scheduler, progress, self.config_yaml)
+        return save_checkpoint(
+            path, self.draft, self.optimizer, self.scheduler, progress, self.config_yaml
+        )
 
     def _eval_and_log(self, result: TrainResult) -> dict[str, float]:
         metrics = self.evaluate()
@@ -194,8 +223,13 @@ class Trainer:
             result.initial_eval = self._eval_and_log(result)
         batches = self.micro_batches()
         window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
-        bar = tqdm(total=self.max_num_steps, desc="train", unit="step", disable=not cfg.progress_bar,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=self.max_num_steps,
+            desc="train",
+            unit="step",
+            disable=not cfg.progress_bar,
+            dynamic_ncols=True,
+        )
         while self.step < self.max_num_steps:
             sums, grad_norm = self.train_step([next(batches) for _ in range(cfg.grad_accum_steps)])
             self.step += 1
@@ -204,20 +238,35 @@ class Trainer:
             result.train_losses.append(step_metrics["train/loss"])
             tokens_per_s = window.num_tokens / max(time.perf_counter() - window_start, 1e-9)
             bar.update(1)
-            bar.set_postfix(loss=f"{step_metrics['train/loss']:.3f}", acc_0=f"{step_metrics['train/acc_0']:.3f}",
-                            tok_s=f"{tokens_per_s:.0f}")
+            bar.set_postfix(
+                loss=f"{step_metrics['train/loss']:.3f}",
+                acc_0=f"{step_metrics['train/acc_0']:.3f}",
+                tok_s=f"{tokens_per_s:.0f}",
+            )
             if self.step % cfg.log_every_n_steps == 0 or self.step == self.max_num_steps:
                 metrics = window.metrics("train", self.weights_k)
-                metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": grad_norm,
-                                "train/tokens_per_s": tokens_per_s, "train/epoch": float(self.epoch)})
+                metrics.update(
+                    {
+                        "train/lr": float(self.scheduler.get_last_lr()[0]),
+                        "train/grad_norm": grad_norm,
+                        "train/tokens_per_s": tokens_per_s,
+                        "train/epoch": float(self.epoch),
+                    }
+                )
                 self.tracker.log_metrics(metrics, step=self.step)
                 window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
-            if self.eval_loader is not None and cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0:
+            if (
+                self.eval_loader is not None
+                and cfg.eval_every_n_steps
+                and self.step % cfg.eval_every_n_steps == 0
+            ):
                 self._eval_and_log(result)
             if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0:
                 result.checkpoint = self.save()
         bar.close()
-        if self.eval_loader is not None and not (cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0):
+        if self.eval_loader is not None and not (
+            cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0
+        ):
             self._eval_and_log(result)
         if not (cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0):
             result.checkpoint = self.save()

@@ -15,22 +15,41 @@ from eagleforge.formats import load_sglang
 from eagleforge.train import run
 
 SGLANG_TENSORS = {
-    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
     "midlayer.post_attention_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
 }
 
 
 def tiny_overrides(tmp_path: Path) -> list[str]:
     return [
-        "+model=tiny", "data=chitchat", "data.max_num_samples=80", "data.num_eval_samples=6",
-        "data.max_length=96", "trainer.batch_size=2", "trainer.max_num_steps=4",
-        "trainer.grad_accum_steps=2", "trainer.log_every_n_steps=2", "trainer.eval_every_n_steps=2",
-        "trainer.progress_bar=false", "optimizer.lr=1e-3", "draft.ttt_length=3",
-        f"output_root={tmp_path}", f"output_dir={tmp_path / 'run'}",
+        "+model=tiny",
+        "data=chitchat",
+        "data.max_num_samples=80",
+        "data.num_eval_samples=6",
+        "data.max_length=96",
+        "trainer.batch_size=2",
+        "trainer.max_num_steps=4",
+        "trainer.grad_accum_steps=2",
+        "trainer.log_every_n_steps=2",
+        "trainer.eval_every_n_steps=2",
+        "trainer.progress_bar=false",
+        "optimizer.lr=1e-3",
+        "draft.ttt_length=3",
+        f"output_root={tmp_path}",
+        f"output_dir={tmp_path / 'run'}",
     ]
 
 
@@ -74,10 +93,19 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
 def test_smollm2_run_learns(tmp_path: Path) -> None:
     """A few steps on the real bundled model: eval acc_0 moves off the untrained 0."""
     overrides = [
-        "+model=smollm2", "data=chitchat", "data.max_num_samples=120", "data.num_eval_samples=8",
-        "data.max_length=128", "trainer.batch_size=4", "trainer.max_num_steps=6",
-        "trainer.progress_bar=false", "optimizer.lr=2e-3", "optimizer.warmup_ratio=0",
-        "tracker=console", f"output_root={tmp_path}", f"output_dir={tmp_path / 'run'}",
+        "+model=smollm2",
+        "data=chitchat",
+        "data.max_num_samples=120",
+        "data.num_eval_samples=8",
+        "data.max_length=128",
+        "trainer.batch_size=4",
+        "trainer.max_num_steps=6",
+        "trainer.progress_bar=false",
+        "optimizer.lr=2e-3",
+        "optimizer.warmup_ratio=0",
+        "tracker=console",
+        f"output_root={tmp_path}",
+        f"output_dir={tmp_path / 'run'}",
     ]
     result = run(compose_config(overrides))
     assert result.initial_eval["eval/acc_0"] < result.final_eval["eval/acc_0"]

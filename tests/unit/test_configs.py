@@ -22,8 +22,14 @@ def _overrides_for(group: str, choice: str) -> list[str]:
     base = [o for o in BASE if not o.startswith(("+model=", "data="))]
     model = f"+model={choice}" if group == "model" else "+model=tiny"
     data = f"data={choice}" if group == "data" else "data=chitchat"
-    extra = {"data": [f"data.path={FIXTURES / 'sharegpt_small.jsonl'}"] if choice != "chitchat" else []}
-    picked = [] if group in ("model", "data") else [f"+{group}={choice}" if group == "experiment" else f"{group}={choice}"]
+    extra = {
+        "data": [f"data.path={FIXTURES / 'sharegpt_small.jsonl'}"] if choice != "chitchat" else []
+    }
+    picked = (
+        []
+        if group in ("model", "data")
+        else [f"+{group}={choice}" if group == "experiment" else f"{group}={choice}"]
+    )
     return [*base, model, data, *picked, *extra.get(group, [])]
 
 
@@ -48,10 +54,17 @@ def test_conf_tree_has_every_group() -> None:
 @pytest.mark.parametrize("data", ["sharegpt", "jsonl"])
 def test_data_files_build_datasets(data: str, smollm2_tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     fixture = "sharegpt_small.jsonl" if data == "sharegpt" else "openai_small.jsonl"
-    typed = to_typed(compose_config(
-        ["+model=tiny", f"data={data}", f"data.path={FIXTURES / fixture}", "data.num_eval_samples=1",
-         "output_dir=/tmp/unused"]
-    ))
+    typed = to_typed(
+        compose_config(
+            [
+                "+model=tiny",
+                f"data={data}",
+                f"data.path={FIXTURES / fixture}",
+                "data.num_eval_samples=1",
+                "output_dir=/tmp/unused",
+            ]
+        )
+    )
     train, held_out = build_datasets(typed.data, smollm2_tokenizer, tmp_path, seed=0)
     assert len(train) >= 3 and held_out is not None and len(held_out) == 1
     assert all(sum(mask) > 0 for _, mask in train)

@@ -122,7 +122,9 @@ def test_exported_weights_load_into_a_fresh_draft(tmp_path) -> None:  # type: ig
     assert missing == ["embed_tokens.weight"]
     assert unexpected == []
     assert torch.equal(fresh.d2t, draft.d2t)
-    assert torch.equal(fresh.draft_to_target_ids(torch.arange(20)), torch.nonzero(draft.t2d).squeeze(1))
+    assert torch.equal(
+        fresh.draft_to_target_ids(torch.arange(20)), torch.nonzero(draft.t2d).squeeze(1)
+    )
 
 
 def test_from_target_llama_config() -> None:

@@ -51,7 +51,9 @@ def tiny_draft(seed: int = 0) -> Eagle3Draft:
     return draft
 
 
-def random_sequences(draft: Eagle3Draft, lengths: list[int], seed: int) -> list[dict[str, torch.Tensor]]:
+def random_sequences(
+    draft: Eagle3Draft, lengths: list[int], seed: int
+) -> list[dict[str, torch.Tensor]]:
     """Per-sequence tensors (unpadded): ids, loss mask, aux states, teacher probs/targets."""
     generator = torch.Generator().manual_seed(seed)
     out = []
@@ -72,7 +74,9 @@ def random_sequences(draft: Eagle3Draft, lengths: list[int], seed: int) -> list[
     return out
 
 
-def collate(sequences: list[dict[str, torch.Tensor]], pad_to: int | None = None, seed: int = 99) -> TTTBatch:
+def collate(
+    sequences: list[dict[str, torch.Tensor]], pad_to: int | None = None, seed: int = 99
+) -> TTTBatch:
     """Right-pad to the longest sequence (or ``pad_to``); padding slots hold random garbage,
     with loss_mask and in_draft set True there, so only ``valid`` keeps them out."""
     generator = torch.Generator().manual_seed(seed)
@@ -97,7 +101,9 @@ def collate(sequences: list[dict[str, torch.Tensor]], pad_to: int | None = None,
     return TTTBatch(ids, valid, loss_mask, aux, Teacher(probs, target_ids, in_draft))
 
 
-def loss_and_grads(draft: Eagle3Draft, micro_batches: list[TTTBatch]) -> tuple[float, dict[str, torch.Tensor]]:
+def loss_and_grads(
+    draft: Eagle3Draft, micro_batches: list[TTTBatch]
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Accumulate weighted_loss over micro-batches with the step's global counts, as the trainer does."""
     draft.zero_grad(set_to_none=True)
     global_counts = sum(count_positions(mb, STEPS) for mb in micro_batches)
@@ -153,7 +159,9 @@ def test_extra_right_padding_changes_nothing() -> None:
     stats_tight = ttt_forward(draft, tight, STEPS)
     stats_padded = ttt_forward(draft, padded, STEPS)
     assert torch.equal(stats_tight.num_correct_k, stats_padded.num_correct_k)
-    torch.testing.assert_close(stats_tight.loss_sum_k, stats_padded.loss_sum_k, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        stats_tight.loss_sum_k, stats_padded.loss_sum_k, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_micro_batch_split_matches_whole_batch() -> None:
@@ -163,7 +171,9 @@ def test_micro_batch_split_matches_whole_batch() -> None:
     sequences = random_sequences(draft, [9, 4, 7], seed=3)
     whole = collate(sequences)
     split = [collate(sequences[:2], seed=5), collate(sequences[2:], seed=6)]
-    assert torch.equal(sum(count_positions(mb, STEPS) for mb in split), count_positions(whole, STEPS))
+    assert torch.equal(
+        sum(count_positions(mb, STEPS) for mb in split), count_positions(whole, STEPS)
+    )
 
     loss_whole, grads_whole = loss_and_grads(draft, [whole])
     loss_split, grads_split = loss_and_grads(draft, split)
@@ -179,7 +189,9 @@ def test_whole_batch_loss_is_per_token_mean() -> None:
     counts = count_positions(batch, STEPS)
     assert torch.equal(stats.num_counted_k, counts)
     expected = sum(0.8**i * stats.loss_sum_k[i].item() / counts[i].item() for i in range(STEPS))
-    assert weighted_loss(stats, counts, step_weights(STEPS, 0.8)).item() == pytest.approx(expected, rel=1e-6)
+    assert weighted_loss(stats, counts, step_weights(STEPS, 0.8)).item() == pytest.approx(
+        expected, rel=1e-6
+    )
 
 
 def test_per_sequence_normalisation_would_differ() -> None:
@@ -191,9 +203,12 @@ def test_per_sequence_normalisation_would_differ() -> None:
     whole = collate(sequences)
     weights = step_weights(STEPS, 0.8)
     with torch.no_grad():
-        whole_loss = weighted_loss(ttt_forward(draft, whole, STEPS), count_positions(whole, STEPS), weights)
+        whole_loss = weighted_loss(
+            ttt_forward(draft, whole, STEPS), count_positions(whole, STEPS), weights
+        )
         local_mean = sum(
-            weighted_loss(ttt_forward(draft, mb, STEPS), count_positions(mb, STEPS), weights) for mb in split
+            weighted_loss(ttt_forward(draft, mb, STEPS), count_positions(mb, STEPS), weights)
+            for mb in split
         ) / len(split)
     assert abs(local_mean.item() - whole_loss.item()) > 1e-3
 

@@ -52,7 +52,7 @@ def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
     """Contiguous runs of supervised token ids."""
     runs: list[list[int]] = []
     previous = 0
-    for token, flag in zip(ids, mask):
+    for token, flag in zip(ids, mask, strict=True):
         if flag and not previous:
             runs.append([])
         if flag:
@@ -62,7 +62,9 @@ def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
 
 
 def _tokenize(messages, tokenizer, train_only_last_turn=False, max_length=4096):  # type: ignore[no-untyped-def]
-    rendered = render(messages, tokenizer, end_of_turn_marker(tokenizer), train_only_last_turn, "test")
+    rendered = render(
+        messages, tokenizer, end_of_turn_marker(tokenizer), train_only_last_turn, "test"
+    )
     ids, mask = tokenize_rendered([rendered], tokenizer, max_length)[0]
     return rendered, ids, mask
 
@@ -72,7 +74,11 @@ def test_end_of_turn_marker_is_im_end(smollm2_tokenizer) -> None:  # type: ignor
     assert end_of_turn_marker(smollm2_tokenizer) == EOT
 
 
-@pytest.mark.parametrize("messages", [TWO_TURNS, THREE_TURNS, NO_SYSTEM, BOUNDARY], ids=["two", "three", "nosys", "boundary"])
+@pytest.mark.parametrize(
+    "messages",
+    [TWO_TURNS, THREE_TURNS, NO_SYSTEM, BOUNDARY],
+    ids=["two", "three", "nosys", "boundary"],
+)
 def test_each_assistant_turn_supervised_exactly(smollm2_tokenizer, messages) -> None:  # type: ignore[no-untyped-def]
     """One supervised run per assistant turn, decoding to content + "<|im_end|>"; all ids decode
     to the rendered text; the mask has one 0/1 per id."""
@@ -82,23 +88,29 @@ def test_each_assistant_turn_supervised_exactly(smollm2_tokenizer, messages) -> 
     assert set(mask) == {0, 1}
     assert _decode(smollm2_tokenizer, ids) == rendered.text
     replies = [m["content"] for m in messages if m["role"] == "assistant"]
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == [r + EOT for r in replies]
+    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == [
+        r + EOT for r in replies
+    ]
 
 
-@pytest.mark.parametrize("messages", [TWO_TURNS, THREE_TURNS, NO_SYSTEM], ids=["two", "three", "nosys"])
+@pytest.mark.parametrize(
+    "messages", [TWO_TURNS, THREE_TURNS, NO_SYSTEM], ids=["two", "three", "nosys"]
+)
 def test_prompt_parts_unsupervised(smollm2_tokenizer, messages) -> None:  # type: ignore[no-untyped-def]
     """System and user contents and the role headers all lie in unsupervised tokens; the
     sample starts unsupervised and the "\\n" after each "<|im_end|>" is unsupervised."""
     _, ids, mask = _tokenize(messages, smollm2_tokenizer)
-    unsupervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask) if not m])
-    supervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask) if m])
+    unsupervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
+    supervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if m])
     for message in messages:
         if message["role"] != "assistant":
             assert message["content"] in unsupervised
             assert message["content"] not in supervised
     assert "<|im_start|>" not in supervised
     assert "assistant\n" not in supervised
-    assert unsupervised.count("<|im_start|>assistant\n") == sum(m["role"] == "assistant" for m in messages)
+    assert unsupervised.count("<|im_start|>assistant\n") == sum(
+        m["role"] == "assistant" for m in messages
+    )
     assert mask[0] == 0
     assert mask[-1] == 0  # the trailing "\n"
     if messages[0]["role"] != "system":  # the template's default system prompt
@@ -109,7 +121,9 @@ def test_train_only_last_turn(smollm2_tokenizer) -> None:  # type: ignore[no-unt
     """train_only_last_turn=True supervises the last assistant turn only, with the same ids."""
     _, ids_all, mask_all = _tokenize(THREE_TURNS, smollm2_tokenizer)
     _, ids, mask = _tokenize(THREE_TURNS, smollm2_tokenizer, train_only_last_turn=True)
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == ["You're welcome, stay dry!" + EOT]
+    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == [
+        "You're welcome, stay dry!" + EOT
+    ]
     assert ids == ids_all
     last_run_start = max(i for i in range(len(mask_all)) if mask_all[i] and not mask_all[i - 1])
     assert mask == [0] * last_run_start + mask_all[last_run_start:]
@@ -207,5 +221,5 @@ def test_reply_text_occurring_earlier_is_not_matched_there(smollm2_tokenizer, me
     rendered, ids, mask = _tokenize(messages, smollm2_tokenizer)
     header = rendered.text.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")
     assert [start >= header for start, _ in rendered.spans] == [True]
-    unsupervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask) if not m])
+    unsupervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
     assert messages[0]["content"] in unsupervised

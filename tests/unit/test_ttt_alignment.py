@@ -45,9 +45,7 @@ def _spec_counted(loss_mask, valid, in_draft, step):  # type: ignore[no-untyped-
         length = int(valid[b].sum())
         for t in range(seq):
             target = t + 2 + step
-            out[b, t] = bool(
-                target < length and loss_mask[b, target] and in_draft[b, t + 1 + step]
-            )
+            out[b, t] = bool(target < length and loss_mask[b, target] and in_draft[b, t + 1 + step])
     return out
 
 
@@ -74,7 +72,9 @@ def tiny_draft(seed: int = 0) -> Eagle3Draft:
     draft = Eagle3Draft(arch)
     draft.init_weights(0.3, generator)
     draft.load_embedding(torch.randn(arch.vocab_size, arch.hidden_size, generator=generator))
-    kept = torch.sort(torch.randperm(arch.vocab_size, generator=generator)[: arch.draft_vocab_size]).values
+    kept = torch.sort(
+        torch.randperm(arch.vocab_size, generator=generator)[: arch.draft_vocab_size]
+    ).values
     t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
     t2d[kept] = True
     draft.set_vocab_map(kept - torch.arange(arch.draft_vocab_size), t2d)
@@ -159,7 +159,10 @@ def _manual_step_hiddens(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
     out = []
     for step in range(steps):
         tokens = torch.tensor(
-            [[ids[b][t + 1 + step] if t + 1 + step < seq else 0 for t in range(seq)] for b in range(bsz)]
+            [
+                [ids[b][t + 1 + step] if t + 1 + step < seq else 0 for t in range(seq)]
+                for b in range(bsz)
+            ]
         )
         positions = torch.tensor([[t + step for t in range(seq)] for _ in range(bsz)])
         hidden = draft_step(draft, tokens, hidden, positions, batch.valid_BT, keys, values)
@@ -278,8 +281,12 @@ def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
                 )
                 q = attn.q_proj(x).view(n_heads, hd)
                 k = attn.k_proj(x).view(n_kv, hd)
-                qs[b][t] = torch.stack([_rope(q[n], t + step, arch.rope_theta) for n in range(n_heads)])
-                ks[b][t] = torch.stack([_rope(k[n], t + step, arch.rope_theta) for n in range(n_kv)])
+                qs[b][t] = torch.stack(
+                    [_rope(q[n], t + step, arch.rope_theta) for n in range(n_heads)]
+                )
+                ks[b][t] = torch.stack(
+                    [_rope(k[n], t + step, arch.rope_theta) for n in range(n_kv)]
+                )
                 vs[b][t] = attn.v_proj(x).view(n_kv, hd)
         keys.append(ks)
         vals.append(vs)
@@ -295,7 +302,12 @@ def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
                         [qs[b][t][n] @ keys[j][b][s][kv] / math.sqrt(hd) for j, s in allowed]
                     )
                     weights = torch.softmax(scores, dim=0)
-                    heads.append(sum(w * vals[j][b][s][kv] for w, (j, s) in zip(weights, allowed)))
+                    heads.append(
+                        sum(
+                            w * vals[j][b][s][kv]
+                            for w, (j, s) in zip(weights, allowed, strict=True)
+                        )
+                    )
                 h = hidden[b][t] + attn.o_proj(torch.cat(heads))
                 new_hidden[b][t] = h + layer.mlp(layer.post_attention_layernorm(h))
         hidden = new_hidden
@@ -311,7 +323,9 @@ def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
                 ):
                     continue
                 log_probs = torch.log_softmax(draft.lm_head(draft.norm(hidden[b][t])).double(), -1)
-                total += float(-(batch.teacher.probs_BTW[b, t + 1 + step].double() * log_probs).sum())
+                total += float(
+                    -(batch.teacher.probs_BTW[b, t + 1 + step].double() * log_probs).sum()
+                )
         sums.append(total)
     return sums
 

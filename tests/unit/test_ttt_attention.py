@@ -68,7 +68,10 @@ def _loop_attention(q, keys, values, valid):  # type: ignore[no-untyped-def]
                     [query @ keys[j][b, kv, s].double() / math.sqrt(head_dim) for j, s in allowed]
                 )
                 weights = torch.softmax(scores, dim=0)
-                mixed = sum(w * values[j][b, kv, s].double() for w, (j, s) in zip(weights, allowed))
+                mixed = sum(
+                    w * values[j][b, kv, s].double()
+                    for w, (j, s) in zip(weights, allowed, strict=True)
+                )
                 out[b, t, n * head_dim : (n + 1) * head_dim] = mixed
     return out
 
@@ -77,14 +80,22 @@ def _loop_attention(q, keys, values, valid):  # type: ignore[no-untyped-def]
     ("num_heads", "num_kv_heads", "num_steps"),
     [(2, 1, 1), (2, 1, 3), (4, 2, 3), (2, 2, 2)],
 )
-def test_eager_attention_equals_per_query_loop(num_heads: int, num_kv_heads: int, num_steps: int) -> None:
+def test_eager_attention_equals_per_query_loop(
+    num_heads: int, num_kv_heads: int, num_steps: int
+) -> None:
     """eager_ttt_attention equals an explicit per-query softmax over the allowed keys (GQA: query
     head n reads kv head n // (N / K)); output layout [B, T, N*D]."""
     generator = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads + num_steps)
     batch, seq, head_dim = 2, 4, 8
     q = torch.randn(batch, num_heads, seq, head_dim, generator=generator)
-    keys = [torch.randn(batch, num_kv_heads, seq, head_dim, generator=generator) for _ in range(num_steps)]
-    values = [torch.randn(batch, num_kv_heads, seq, head_dim, generator=generator) for _ in range(num_steps)]
+    keys = [
+        torch.randn(batch, num_kv_heads, seq, head_dim, generator=generator)
+        for _ in range(num_steps)
+    ]
+    values = [
+        torch.randn(batch, num_kv_heads, seq, head_dim, generator=generator)
+        for _ in range(num_steps)
+    ]
     got = eager_ttt_attention(q, keys, values, VALID)
     assert tuple(got.shape) == (batch, seq, num_heads * head_dim)
     expected = _loop_attention(q, keys, values, VALID)

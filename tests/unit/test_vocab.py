@@ -37,7 +37,7 @@ def test_keeps_most_frequent_sorted_ascending() -> None:
     assert vocab.d2t_W.dtype == torch.int64
     assert vocab.d2t_W.tolist() == [2, 3, 4]
     assert vocab.t2d_V.dtype == torch.bool
-    assert vocab.t2d_V.tolist() == [False, False, True, False, True, False, True, False, False, False]
+    assert vocab.t2d_V.int().tolist() == [0, 0, 1, 0, 1, 0, 1, 0, 0, 0]
 
 
 def test_ties_broken_by_lowest_id() -> None:

@@ -72,15 +72,21 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
 def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
     """One data row -> messages with canonical roles; raises DataError naming ``where``."""
     if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object per conversation, got {type(row).__name__}.")
+        raise DataError(
+            f"{where}: expected a JSON object per conversation, got {type(row).__name__}."
+        )
     if fmt == DataFormat.auto:
         fmt = DataFormat.sharegpt if "conversations" in row else DataFormat.openai
     key, role_key, content_key = (
-        ("conversations", "from", "value") if fmt == DataFormat.sharegpt else ("messages", "role", "content")
+        ("conversations", "from", "value")
+        if fmt == DataFormat.sharegpt
+        else ("messages", "role", "content")
     )
     turns = row.get(key)
     if not isinstance(turns, list):
-        raise DataError(f"{where}: missing the '{key}' list ({fmt.value} format); fix the row or set data.format.")
+        raise DataError(
+            f"{where}: missing the '{key}' list ({fmt.value} format); fix the row or set data.format."
+        )
     messages: Conversation = []
     for index, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn:
@@ -122,7 +128,9 @@ def chitchat_conversations() -> Iterator[tuple[str, Conversation]]:
 def chitchat_source_file() -> Path:
     spec = importlib.util.find_spec("chitchat_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("data=chitchat needs the chitchat-dataset package: pip install 'eagleforge[demo]'.")
+        raise DataError(
+            "data=chitchat needs the chitchat-dataset package: pip install 'eagleforge[demo]'."
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
 
 
@@ -134,8 +142,12 @@ def read_conversations(fmt: DataFormat, path: str | None) -> Iterator[tuple[str,
     assert path is not None
     file = Path(path)
     if not file.is_file():
-        raise DataError(f"data.path {path} does not exist or is not a file; point it at a .jsonl or .json file.")
+        raise DataError(
+            f"data.path {path} does not exist or is not a file; point it at a .jsonl or .json file."
+        )
     if file.suffix not in {".jsonl", ".json"}:
-        raise DataError(f"data.path {path}: unsupported extension '{file.suffix}'; use .jsonl or .json.")
+        raise DataError(
+            f"data.path {path}: unsupported extension '{file.suffix}'; use .jsonl or .json."
+        )
     for where, row in _rows(file):
         yield where, normalise_row(row, fmt, where)

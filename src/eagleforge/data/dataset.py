@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,8 +75,13 @@ class TokenizedDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
         return self.input_ids[index], self.loss_mask[index]
 
+    def __iter__(self) -> Iterator[tuple[list[int], list[int]]]:
+        return zip(self.input_ids, self.loss_mask, strict=True)
+
     def subset(self, indices: list[int]) -> TokenizedDataset:
-        return TokenizedDataset([self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices])
+        return TokenizedDataset(
+            [self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices]
+        )
 
     def num_tokens(self) -> int:
         return sum(len(ids) for ids in self.input_ids)
@@ -92,7 +98,9 @@ def _file_digest(path: Path) -> str:
 def _tokenizer_digest(tokenizer) -> str:  # type: ignore[no-untyped-def]
     digest = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update((backend.to_str() if backend is not None else str(tokenizer.get_vocab())).encode())
+    digest.update(
+        (backend.to_str() if backend is not None else str(tokenizer.get_vocab())).encode()
+    )
     digest.update(str(tokenizer.chat_template).encode())
     return digest.hexdigest()
 
@@ -109,7 +117,9 @@ def tokenize_source(
     """Tokenize one source (cached by content); samples without supervised tokens are dropped."""
     source_file = chitchat_source_file() if fmt == DataFormat.chitchat else Path(str(path))
     if not source_file.is_file():
-        raise DataError(f"data file {source_file} does not exist; check data.path / data.eval_path.")
+        raise DataError(
+            f"data file {source_file} does not exist; check data.path / data.eval_path."
+        )
     key_parts = {
         "source": _file_digest(source_file),
         "format": fmt.value,
@@ -136,7 +146,11 @@ def tokenize_source(
     samples = tokenize_rendered(rendered, tokenizer, max_length)
     kept = [(ids, mask) for ids, mask in samples if sum(mask) > 0]
     if len(kept) < len(samples):
-        log.info("%s: dropped %d conversations with no supervised tokens", source_file, len(samples) - len(kept))
+        log.info(
+            "%s: dropped %d conversations with no supervised tokens",
+            source_file,
+            len(samples) - len(kept),
+        )
     if not kept:
         raise DataError(f"{source_file}: no conversation has an assistant turn to train on.")
     input_ids = [ids for ids, _ in kept]
@@ -145,7 +159,9 @@ def tokenize_source(
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cached.parent))
     try:
-        datasets.Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_mask}).save_to_disk(str(tmp))
+        datasets.Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_mask}).save_to_disk(
+            str(tmp)
+        )
         tmp.rename(cached)
     except OSError:
         if not (cached / "dataset_info.json").exists():

@@ -20,7 +20,8 @@ _PROBE = "EAGLEFORGE_PROBE_REPLY"
 def end_of_turn_marker(tokenizer) -> str:  # type: ignore[no-untyped-def]
     """The text the template puts right after an assistant reply (whitespace excluded)."""
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], tokenize=False
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
+        tokenize=False,
     )
     tail = rendered[rendered.rindex(_PROBE) + len(_PROBE) :]
     return tail.rstrip()

@@ -23,7 +23,9 @@ class VocabMap:
         return torch.arange(self.d2t_W.numel()) + self.d2t_W
 
 
-def count_supervised_tokens(samples: Iterable[tuple[list[int], list[int]]], vocab_size: int) -> torch.Tensor:
+def count_supervised_tokens(
+    samples: Iterable[tuple[list[int], list[int]]], vocab_size: int
+) -> torch.Tensor:
     """How often each target id is a supervised token, [V] int64."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, mask in samples:

@@ -85,7 +85,11 @@ class DraftArchitecture:
         cls, target_config: Any, draft: DraftConfig, aux_layer_ids: list[int]
     ) -> DraftArchitecture:
         """Derive the draft's shape from a transformers config of the target."""
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        text = (
+            target_config.get_text_config()
+            if hasattr(target_config, "get_text_config")
+            else target_config
+        )
         hidden = text.hidden_size
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or hidden // heads
@@ -136,7 +140,7 @@ def rope_inv_freq(arch: DraftArchitecture) -> torch.Tensor:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type = arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type"))
+    rope_type = str(arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")))
     config = LlamaConfig(
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -208,6 +212,10 @@ class DraftDecoderLayer(nn.Module):
 class Eagle3Draft(nn.Module):
     """Module tree and weights of the draft; the TTT unrolling lives in ``draft/ttt.py``."""
 
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    inv_freq: torch.Tensor
+
     def __init__(self, arch: DraftArchitecture) -> None:
         super().__init__()
         self.arch = arch
@@ -252,7 +260,9 @@ class Eagle3Draft(nn.Module):
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def rope(self, position_ids_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, position_ids_BT: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B,T,D] for the given absolute positions."""
         freqs = position_ids_BT.float().unsqueeze(-1) * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)

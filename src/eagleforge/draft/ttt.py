@@ -71,7 +71,9 @@ def count_positions(batch: TTTBatch, ttt_length: int) -> torch.Tensor:
     """Counted positions per step [k] for one micro-batch (for global loss normalisation)."""
     return torch.stack(
         [
-            counted_positions(batch.loss_mask_BT, batch.valid_BT, batch.teacher.in_draft_BT, i).sum()
+            counted_positions(
+                batch.loss_mask_BT, batch.valid_BT, batch.teacher.in_draft_BT, i
+            ).sum()
             for i in range(ttt_length)
         ]
     )
@@ -111,7 +113,13 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, ttt_length: int) -> TTTStat
     losses, counts, corrects = [], [], []
     for step in range(ttt_length):
         hidden_BTH = draft_step(
-            draft, shift_left(input_ids, 1 + step), hidden_BTH, positions_BT + step, valid, keys, values
+            draft,
+            shift_left(input_ids, 1 + step),
+            hidden_BTH,
+            positions_BT + step,
+            valid,
+            keys,
+            values,
         )
         counted_BT = counted_positions(batch.loss_mask_BT, valid, teacher.in_draft_BT, step)
         rows, cols = counted_BT.nonzero(as_tuple=True)
@@ -130,7 +138,9 @@ def step_weights(ttt_length: int, decay: float, device: torch.device | None = No
     return decay ** torch.arange(ttt_length, dtype=torch.float32, device=device)
 
 
-def weighted_loss(stats: TTTStats, global_counts_k: torch.Tensor, weights_k: torch.Tensor) -> torch.Tensor:
+def weighted_loss(
+    stats: TTTStats, global_counts_k: torch.Tensor, weights_k: torch.Tensor
+) -> torch.Tensor:
     """Σ_i w_i · loss_sum_i / N_i, with N_i the counted positions of the whole optimizer step.
 
     Summing this over the micro-batches (and data-parallel ranks) of a step gives the global

@@ -38,7 +38,11 @@ def resolve_device(cfg: ParallelConfig) -> torch.device:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if cfg.device == DeviceKind.cuda and not torch.cuda.is_available():
-        raise ConfigError("parallel.device=cuda but CUDA is not available; use parallel.device=cpu or auto.")
-    if cfg.device == DeviceKind.cpu or (cfg.device == DeviceKind.auto and not torch.cuda.is_available()):
+        raise ConfigError(
+            "parallel.device=cuda but CUDA is not available; use parallel.device=cpu or auto."
+        )
+    if cfg.device == DeviceKind.cpu or (
+        cfg.device == DeviceKind.auto and not torch.cuda.is_available()
+    ):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())

@@ -40,7 +40,9 @@ class TargetOutput:
 class TargetBackend(Protocol):
     aux_layer_ids: list[int]
 
-    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> TargetOutput: ...
+    def forward(
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+    ) -> TargetOutput: ...
 
     def input_embedding(self) -> torch.Tensor: ...
 

@@ -7,6 +7,7 @@ stops before the lm_head (the teacher is computed in chunks from the final hidde
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,11 +16,13 @@ from eagleforge.target import TargetConfig, TargetOutput
 from eagleforge.target.source import default_aux_layer_ids
 
 
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def _decoder_layers(model: Any) -> torch.nn.ModuleList:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise ConfigError(f"cannot find decoder layers in {type(model).__name__}; use a decoder-only LLM.")
+        raise ConfigError(
+            f"cannot find decoder layers in {type(model).__name__}; use a decoder-only LLM."
+        )
     return layers
 
 
@@ -28,7 +31,7 @@ class HFTarget:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,  # a transformers PreTrainedModel with a decoder
         aux_layer_ids: list[int] | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
@@ -59,14 +62,14 @@ class HFTarget:
     ) -> HFTarget:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=dtype,
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=trust_remote_code,
             revision=revision,
-        ).to(device)
-        return cls(model, aux_layer_ids)
+        )
+        return cls(model.to(device), aux_layer_ids)
 
     def _capture_hook(self, layer_id: int):  # type: ignore[no-untyped-def]
         def hook(_module, _inputs, output):  # type: ignore[no-untyped-def]

@@ -156,7 +156,7 @@ def bundled_smollm2_dir(cache_dir: str | Path) -> Path:
         )
         # The weights are dequantised to fp32 on load; dropping the GGUF quantizer and its
         # config makes this a plain checkpoint that later loads read in about a second.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(out)

@@ -32,7 +32,9 @@ def compute_teacher(
         needed_BT = torch.ones(batch, seq, dtype=torch.bool, device=final_hidden_BTH.device)
     rows_N = needed_BT.reshape(-1).nonzero().squeeze(1)
     flat_NH = final_hidden_BTH.reshape(batch * seq, hidden)
-    probs_BTW = torch.zeros(batch * seq, draft_ids_W.numel(), dtype=torch.float32, device=flat_NH.device)
+    probs_BTW = torch.zeros(
+        batch * seq, draft_ids_W.numel(), dtype=torch.float32, device=flat_NH.device
+    )
     target_ids_BT = torch.zeros(batch * seq, dtype=torch.long, device=flat_NH.device)
     for start in range(0, rows_N.numel(), chunk_size):
         rows = rows_N[start : start + chunk_size]
