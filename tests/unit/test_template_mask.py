@@ -152,15 +152,15 @@ def test_batch_tokenization_equals_single(smollm2_tokenizer) -> None:  # type: i
 
 
 def test_leading_whitespace_reply(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """A reply with leading spaces: the supervised run is the stripped content + "<|im_end|>",
-    the rest (incl. the spaces) unsupervised, and all ids still decode to the rendered text."""
+    """A reply with leading spaces: the supervised run is the whole reply as the model would
+    generate it after the generation prompt (spaces included) + "<|im_end|>"."""
     messages = [
         {"role": "user", "content": "Say hello"},
         {"role": "assistant", "content": "  hello world"},
     ]
     rendered, ids, mask = _tokenize(messages, smollm2_tokenizer)
     assert _decode(smollm2_tokenizer, ids) == rendered.text
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == ["hello world" + EOT]
+    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == ["  hello world" + EOT]
 
 
 def test_empty_reply_not_supervised(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -175,12 +175,6 @@ def test_empty_reply_not_supervised(smollm2_tokenizer) -> None:  # type: ignore[
     assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == ["Yes." + EOT]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: render() strips the reply before locating it, then appends the end-of-turn "
-    "marker only if it follows immediately; with trailing whitespace kept by the template "
-    "('...\\n<|im_end|>') the <|im_end|> of that turn is never supervised.",
-)
 def test_trailing_whitespace_reply_still_supervises_end_of_turn(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
     """A reply ending in "\\n" is still supervised through its "<|im_end|>"."""
     messages = [
@@ -194,13 +188,6 @@ def test_trailing_whitespace_reply_still_supervises_end_of_turn(smollm2_tokenize
     assert runs[0][: -len(EOT)].strip() == "Here is a line."
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: render() searches each reply with text.find(content, cursor) where cursor "
-    "only advances past earlier *assistant* spans, so a reply that also occurs earlier in the "
-    "rendered text (system prompt or user turn) is matched there: the user's words get "
-    "supervised and the real reply does not.",
-)
 @pytest.mark.parametrize(
     "messages",
     [

@@ -26,7 +26,7 @@ from eagleforge.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 # Bump when tokenization or masking changes, so old caches are not reused.
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2
 
 
 @dataclass

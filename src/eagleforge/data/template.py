@@ -48,28 +48,47 @@ class Rendered:
 
 
 def render(
-    messages: Conversation, tokenizer, eot_marker: str, train_only_last_turn: bool, where: str
-) -> Rendered:  # type: ignore[no-untyped-def]
-    """Render with the chat template and locate every supervised assistant span."""
+    messages: Conversation,
+    tokenizer,  # type: ignore[no-untyped-def]
+    eot_marker: str,
+    train_only_last_turn: bool,
+    where: str,
+) -> Rendered:
+    """Render with the chat template and locate every supervised assistant span.
+
+    A reply starts where the template's generation prompt for the conversation so far ends
+    (what the model would generate from there), and ends after the end-of-turn marker that
+    follows its content. Templates whose earlier turns render differently once later turns
+    exist (e.g. reasoning dropped from history) fall back to searching for the reply after
+    the preceding messages' content.
+    """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans: list[tuple[int, int]] = []
-    cursor = 0
+    cursor = 0  # everything before it belongs to earlier messages
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
         content = message["content"].strip()
+        if message["role"] != "assistant":
+            found = text.find(content, cursor) if content else -1
+            cursor = found + len(content) if found >= 0 else cursor
+            continue
         if not content:  # nothing to learn from an empty reply
             continue
-        start = text.find(content, cursor)
-        if start < 0:
+        prompt = tokenizer.apply_chat_template(
+            messages[:index], tokenize=False, add_generation_prompt=True
+        )
+        start = len(prompt) if text.startswith(prompt) and len(prompt) >= cursor else None
+        found = text.find(content, cursor if start is None else start)
+        if found < 0:
             raise DataError(
                 f"{where}: assistant turn {index} does not appear verbatim in the rendered chat "
                 "template; the template rewrites it (set data.train_only_last_turn or fix the data)."
             )
-        end = start + len(content)
-        if eot_marker and text.startswith(eot_marker, end):
-            end += len(eot_marker)
-        spans.append((start, end))
+        end = found + len(content)
+        after = text[end:]
+        gap = len(after) - len(after.lstrip())  # whitespace the template kept from the reply
+        if eot_marker and after.startswith(eot_marker, gap):
+            end += gap + len(eot_marker)
+        spans.append((found if start is None else start, end))
         cursor = end
     if train_only_last_turn:
         spans = spans[-1:]
