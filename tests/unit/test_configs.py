@@ -19,18 +19,15 @@ GROUPS = ["model", "data", "target", "parallel", "optimizer", "tracker", "experi
 
 
 def _overrides_for(group: str, choice: str) -> list[str]:
-    base = [o for o in BASE if not o.startswith(("+model=", "data="))]
-    model = f"+model={choice}" if group == "model" else "+model=tiny"
-    data = f"data={choice}" if group == "data" else "data=chitchat"
-    extra = {
-        "data": [f"data.path={FIXTURES / 'sharegpt_small.jsonl'}"] if choice != "chitchat" else []
-    }
-    picked = (
-        []
-        if group in ("model", "data")
-        else [f"+{group}={choice}" if group == "experiment" else f"{group}={choice}"]
+    """BASE with one group switched to ``choice`` (and a data file for file-based data configs)."""
+    picks = {"model": "+model=tiny", "data": "data=chitchat"}
+    picks[group] = f"+{group}={choice}" if group in ("model", "experiment") else f"{group}={choice}"
+    extra = (
+        [f"data.path={FIXTURES / 'sharegpt_small.jsonl'}"]
+        if group == "data" and choice != "chitchat"
+        else []
     )
-    return [*base, model, data, *picked, *extra.get(group, [])]
+    return [*picks.values(), *extra, "output_dir=/tmp/unused"]
 
 
 @pytest.mark.parametrize(
