@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_drafts import tiny_draft
 
-from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
     Teacher,
     TTTBatch,
@@ -23,32 +24,6 @@ pytestmark = pytest.mark.unit
 
 STEPS = 3
 V, W, HT = 50, 20, 12
-
-
-def tiny_draft(seed: int = 0) -> Eagle3Draft:
-    arch = DraftArchitecture(
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        vocab_size=V,
-        draft_vocab_size=W,
-        target_hidden_size=HT,
-        aux_layer_ids=[1, 2, 3],
-    )
-    generator = torch.Generator().manual_seed(seed)
-    draft = Eagle3Draft(arch)
-    draft.init_weights(0.3, generator)
-    draft.load_embedding(torch.randn(V, 16, generator=generator))
-    kept = torch.sort(torch.randperm(V, generator=generator)[:W]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    draft.set_vocab_map(kept - torch.arange(W), t2d)
-    return draft
 
 
 def random_sequences(

@@ -8,8 +8,11 @@ import math
 
 import pytest
 import torch
+from tiny_drafts import (
+    tiny_draft,
+)
 
-from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
     Teacher,
     TTTBatch,
@@ -47,38 +50,6 @@ def _spec_counted(loss_mask, valid, in_draft, step):  # type: ignore[no-untyped-
             target = t + 2 + step
             out[b, t] = bool(target < length and loss_mask[b, target] and in_draft[b, t + 1 + step])
     return out
-
-
-def tiny_arch() -> DraftArchitecture:
-    return DraftArchitecture(
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        vocab_size=50,
-        draft_vocab_size=20,
-        target_hidden_size=12,
-        aux_layer_ids=[1, 2, 3],
-    )
-
-
-def tiny_draft(seed: int = 0) -> Eagle3Draft:
-    arch = tiny_arch()
-    generator = torch.Generator().manual_seed(seed)
-    draft = Eagle3Draft(arch)
-    draft.init_weights(0.3, generator)
-    draft.load_embedding(torch.randn(arch.vocab_size, arch.hidden_size, generator=generator))
-    kept = torch.sort(
-        torch.randperm(arch.vocab_size, generator=generator)[: arch.draft_vocab_size]
-    ).values
-    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    draft.set_vocab_map(kept - torch.arange(arch.draft_vocab_size), t2d)
-    return draft
 
 
 def random_teacher(batch: int, seq: int, width: int, in_draft: torch.Tensor, seed: int) -> Teacher:
