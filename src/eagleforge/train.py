@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import Collator, build_datasets
-from eagleforge.data.vocab import build_vocab_map, count_supervised_tokens
+from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError, EagleForgeError
 from eagleforge.optim import build_optimizer
@@ -65,7 +65,8 @@ def run(cfg: DictConfig) -> TrainResult:
     )
     if not tokenizer.chat_template:
         raise ConfigError(f"the tokenizer of model '{config.model.name}' has no chat template.")
-    train_set, eval_set = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    train_set, eval_set = data.train, data.eval
     log.info(
         "data: %d train / %d eval conversations, %d train tokens",
         len(train_set),
@@ -83,8 +84,11 @@ def run(cfg: DictConfig) -> TrainResult:
         revision=config.model.revision,
     )
     arch = DraftArchitecture.from_target(target.config, config.draft, target.aux_layer_ids)
-    vocab = build_vocab_map(
-        count_supervised_tokens(train_set, arch.vocab_size), arch.draft_vocab_size
+    vocab = cached_vocab_map(
+        train_set,
+        arch.vocab_size,
+        arch.draft_vocab_size,
+        data.vocab_cache_file(cache_dir, arch.vocab_size, arch.draft_vocab_size),
     )
     draft = Eagle3Draft(arch)
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
@@ -124,6 +128,7 @@ def run(cfg: DictConfig) -> TrainResult:
     run_name = f"{config.model.name}-{config.data.name}-{output_dir.name}"
     tracker = build_tracker(config.tracker, config.output_root, run_name)
     tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
+    tracker.log_metrics(data.report.metrics("data"), step=0)
 
     trainer = Trainer(
         draft=draft,

@@ -62,9 +62,10 @@ def test_data_files_build_datasets(data: str, smollm2_tokenizer, tmp_path: Path)
             ]
         )
     )
-    train, held_out = build_datasets(typed.data, smollm2_tokenizer, tmp_path, seed=0)
-    assert len(train) >= 3 and held_out is not None and len(held_out) == 1
-    assert all(sum(mask) > 0 for _, mask in train)
+    data = build_datasets(typed.data, smollm2_tokenizer, tmp_path, seed=0)
+    assert len(data.train) >= 3 and data.eval is not None and len(data.eval) == 1
+    assert all(sum(mask) > 0 for _, mask in data.train)
+    assert data.report.rows == data.report.kept == len(data.train) + 1
 
 
 def test_missing_model_names_the_choices() -> None:

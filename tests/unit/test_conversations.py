@@ -65,12 +65,12 @@ def test_auto_detects_per_row(tmp_path: Path) -> None:
 
 
 def test_role_aliases_case_insensitive(tmp_path: Path) -> None:
-    """Aliases (chatgpt, model, Human) map case-insensitively; a null content becomes ""."""
+    """Aliases (chatgpt, model, Human) map case-insensitively."""
     row = {
         "conversations": [
             {"from": "Human", "value": "q"},
             {"from": "chatgpt", "value": "a"},
-            {"from": "USER", "value": None},
+            {"from": "USER", "value": "c"},
             {"from": "model", "value": "b"},
         ]
     }
@@ -79,7 +79,7 @@ def test_role_aliases_case_insensitive(tmp_path: Path) -> None:
     assert messages == [
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"},
-        {"role": "user", "content": ""},
+        {"role": "user", "content": "c"},
         {"role": "assistant", "content": "b"},
     ]
 
@@ -164,8 +164,8 @@ def test_missing_file_and_bad_extension(tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(DataError, match="nope.jsonl"):
         list(read_conversations(DataFormat.auto, str(missing)))
-    with pytest.raises(DataError, match="not a file"):
-        list(read_conversations(DataFormat.auto, str(tmp_path)))  # a directory is not a file
+    with pytest.raises(DataError, match="not a saved HF dataset"):
+        list(read_conversations(DataFormat.auto, str(tmp_path)))  # a plain directory
     csv = tmp_path / "data.csv"
     csv.write_text("a,b\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"\.csv"):

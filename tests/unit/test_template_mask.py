@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagleforge.data.template import end_of_turn_marker, render, tokenize_rendered
+from eagleforge.data.template import TokenizerTemplate, end_of_turn_marker, tokenize_rendered
 
 pytestmark = pytest.mark.unit
 
@@ -62,11 +62,11 @@ def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
 
 
 def _tokenize(messages, tokenizer, train_only_last_turn=False, max_length=4096):  # type: ignore[no-untyped-def]
-    rendered = render(
-        messages, tokenizer, end_of_turn_marker(tokenizer), train_only_last_turn, "test"
-    )
-    ids, mask = tokenize_rendered([rendered], tokenizer, max_length)[0]
-    return rendered, ids, mask
+    rendered = TokenizerTemplate(tokenizer).render(messages, "test")
+    if train_only_last_turn:
+        rendered = rendered.last_turn_only()
+    ids, mask = tokenize_rendered([rendered], tokenizer)[0]
+    return rendered, ids[:max_length], mask[:max_length]
 
 
 def test_end_of_turn_marker_is_im_end(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -143,11 +143,11 @@ def test_max_length_truncates_tail(smollm2_tokenizer) -> None:  # type: ignore[n
 
 def test_batch_tokenization_equals_single(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
     """tokenize_rendered on several conversations at once gives each one's single result."""
-    eot = end_of_turn_marker(smollm2_tokenizer)
+    template = TokenizerTemplate(smollm2_tokenizer)
     convs = [TWO_TURNS, THREE_TURNS, NO_SYSTEM]
-    batch = [render(c, smollm2_tokenizer, eot, False, f"c{i}") for i, c in enumerate(convs)]
-    together = tokenize_rendered(batch, smollm2_tokenizer, 4096)
-    alone = [tokenize_rendered([r], smollm2_tokenizer, 4096)[0] for r in batch]
+    batch = [template.render(c, f"c{i}") for i, c in enumerate(convs)]
+    together = tokenize_rendered(batch, smollm2_tokenizer)
+    alone = [tokenize_rendered([r], smollm2_tokenizer)[0] for r in batch]
     assert together == alone
 
 

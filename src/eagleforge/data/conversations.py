@@ -1,15 +1,19 @@
-"""Reading conversations: files and bundled data sets -> lists of {"role", "content"} messages.
+"""Reading conversations: files and bundled data sets -> validated lists of messages.
 
-Accepted rows (jsonl: one per line; json: a list of rows):
-- ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system" | ..., "value": "..."}]}``
-- OpenAI:   ``{"messages": [{"role": "user" | "assistant" | "system" | ..., "content": "..."}]}``
-Bundled: the chitchat-dataset package (7,168 human chats; speaker turns alternate user/assistant).
+Sources: ``.jsonl`` (one row per line), ``.json`` (a list of rows), ``.parquet``, a saved HF
+dataset directory, a glob of those, or the bundled chitchat-dataset package. Rows:
 
-A malformed row stops the run with an error naming the file and line.
+- ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system" | "tool" | ..., "value": "..."}]}``
+- OpenAI:   ``{"messages": [{"role": ..., "content": ..., "reasoning_content"?: ..., "tool_calls"?: [...]}]}``
+- preformatted (``data.preformatted=true``): ``{"text": "<chat template already applied>"}``
+
+Every problem with a row is a ``RowError`` naming the row (file and line) and one ``SkipReason``,
+so a run can stop on it (``data.on_error=raise``) or skip and count it (``skip``).
 """
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -19,7 +23,7 @@ from typing import Any
 
 from eagleforge.errors import DataError
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content, and optionally reasoning_content, tool_calls, name, ...
 Conversation = list[Message]
 
 ROLE_ALIASES = {
@@ -32,10 +36,15 @@ ROLE_ALIASES = {
     "bing": "assistant",
     "model": "assistant",
     "system": "system",
+    "developer": "system",
     "tool": "tool",
     "function": "tool",
+    "function_response": "tool",
     "observation": "tool",
+    "ipython": "tool",
 }
+# Message fields passed on to chat templates besides role and content.
+EXTRA_FIELDS = ("reasoning_content", "tool_calls", "tool_call_id", "name")
 
 
 class DataFormat(str, Enum):
@@ -45,109 +54,209 @@ class DataFormat(str, Enum):
     chitchat = "chitchat"  # the bundled chitchat-dataset package; no path
 
 
-def _rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(location, row) pairs of a .jsonl or .json file."""
-    if path.suffix == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file.") from None
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json data file must hold a list of conversations.")
-        for index, row in enumerate(rows):
-            yield f"{path}[{index}]", row
-        return
-    with path.open(encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{line_number}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{line_number}: not valid JSON ({e.msg}); fix or remove the line."
-                ) from None
+class SkipReason(str, Enum):
+    invalid_utf8 = "invalid_utf8"
+    invalid_json = "invalid_json"
+    malformed_row = "malformed_row"
+    unknown_role = "unknown_role"
+    non_string_content = "non_string_content"
+    empty_content = "empty_content"
+    no_assistant_turn = "no_assistant_turn"
+    template_error = "template_error"
+    too_long = "too_long"
 
 
-def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
-    """One data row -> messages with canonical roles; raises DataError naming ``where``."""
-    if not isinstance(row, dict):
-        raise DataError(
-            f"{where}: expected a JSON object per conversation, got {type(row).__name__}."
-        )
-    if fmt == DataFormat.auto:
-        fmt = DataFormat.sharegpt if "conversations" in row else DataFormat.openai
-    key, role_key, content_key = (
-        ("conversations", "from", "value")
-        if fmt == DataFormat.sharegpt
-        else ("messages", "role", "content")
-    )
-    turns = row.get(key)
-    if not isinstance(turns, list):
-        raise DataError(
-            f"{where}: missing the '{key}' list ({fmt.value} format); fix the row or set data.format."
-        )
-    messages: Conversation = []
-    for index, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn:
-            raise DataError(f"{where}: turn {index} has no '{role_key}' field.")
-        role = ROLE_ALIASES.get(str(turn[role_key]).lower())
-        if role is None:
-            raise DataError(
-                f"{where}: turn {index} has unknown role '{turn[role_key]}'; "
-                f"use one of {sorted(set(ROLE_ALIASES))}."
-            )
-        content = turn.get(content_key)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise DataError(f"{where}: turn {index} '{content_key}' must be a string.")
-        messages.append({"role": role, "content": content})
-    return messages
+class RowError(Exception):
+    """One bad row: where it is, why, and what is wrong with it."""
+
+    def __init__(self, reason: SkipReason, where: str, detail: str) -> None:
+        super().__init__(f"{where}: {detail}")
+        self.reason, self.where, self.detail = reason, where, detail
 
 
-def chitchat_conversations() -> Iterator[tuple[str, Conversation]]:
-    """The chitchat-dataset chats; the first speaker is the user, the other the assistant."""
-    data = json.loads(chitchat_source_file().read_text(encoding="utf-8"))
-    for chat_id, chat in data.items():
-        groups = chat.get("messages", [])
-        if not groups:
-            continue
-        first_sender = groups[0][0]["sender"]
-        messages = [
-            {
-                "role": "user" if group[0]["sender"] == first_sender else "assistant",
-                "content": "\n".join(utterance["text"] for utterance in group),
-            }
-            for group in groups
-            if group
-        ]
-        yield f"chitchat:{chat_id}", messages
+RawRow = tuple[str, Any]  # (location, parsed row) -- or (location, RowError) for unreadable ones
 
 
 def chitchat_source_file() -> Path:
     spec = importlib.util.find_spec("chitchat_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            "data=chitchat needs the chitchat-dataset package: pip install 'eagleforge[demo]'."
-        )
+        raise DataError("data=chitchat needs the chitchat-dataset package: pip install 'eagleforge[demo]'.")
     return Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
 
 
-def read_conversations(fmt: DataFormat, path: str | None) -> Iterator[tuple[str, Conversation]]:
-    """(location, messages) for every conversation of the source, in file order."""
+def expand_sources(patterns: list[str]) -> list[Path]:
+    """Files and dataset directories named by paths or globs, in a stable order."""
+    sources: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise DataError(f"data.path {pattern} matches no file; check the pattern.")
+        for match in matches:
+            path = Path(match)
+            if not path.exists():
+                raise DataError(f"data file {path} does not exist; check data.path / data.eval_path.")
+            if path.is_dir() and not (path / "dataset_info.json").exists():
+                raise DataError(f"{path} is a directory but not a saved HF dataset (no dataset_info.json).")
+            if path.is_file() and path.suffix not in {".jsonl", ".json", ".parquet"}:
+                raise DataError(f"{path}: unsupported extension '{path.suffix}'; use .jsonl, .json or .parquet.")
+            sources.append(path)
+    return sources
+
+
+def _jsonl_rows(path: Path) -> Iterator[RawRow]:
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, RowError(SkipReason.invalid_utf8, where, f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8.")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, RowError(SkipReason.invalid_json, where, f"not valid JSON ({e.msg}); fix or remove the line.")
+
+
+def _json_rows(path: Path) -> Iterator[RawRow]:
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: invalid UTF-8; re-encode the file as UTF-8.") from None
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file.") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: a .json data file must hold a list of conversations.")
+    for index, row in enumerate(rows):
+        yield f"{path}[{index}]", row
+
+
+def _table_rows(path: Path) -> Iterator[RawRow]:
+    if path.is_dir():
+        import datasets
+
+        table = datasets.load_from_disk(str(path))
+        if isinstance(table, datasets.DatasetDict):
+            raise DataError(f"{path} holds several splits ({list(table)}); point data.path at one split's directory.")
+        rows: Any = table
+    else:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    for index, row in enumerate(rows):
+        yield f"{path}[row {index}]", row
+
+
+def chitchat_rows() -> Iterator[RawRow]:
+    """The chitchat chats as OpenAI rows: the first speaker is the user, the other the assistant."""
+    data = json.loads(chitchat_source_file().read_text(encoding="utf-8"))
+    for chat_id, chat in data.items():
+        groups = [group for group in chat.get("messages", []) if group]
+        first = groups[0][0]["sender"] if groups else None
+        messages = [
+            {
+                "role": "user" if group[0]["sender"] == first else "assistant",
+                "content": "\n".join(utterance["text"] for utterance in group),
+            }
+            for group in groups
+        ]
+        yield f"chitchat:{chat_id}", {"messages": messages}
+
+
+def read_rows(fmt: DataFormat, sources: list[Path]) -> Iterator[RawRow]:
+    """(location, row) for every row of every source, in order."""
     if fmt == DataFormat.chitchat:
-        yield from chitchat_conversations()
+        yield from chitchat_rows()
         return
-    assert path is not None
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(
-            f"data.path {path} does not exist or is not a file; point it at a .jsonl or .json file."
+    for path in sources:
+        if path.suffix == ".jsonl":
+            yield from _jsonl_rows(path)
+        elif path.suffix == ".json":
+            yield from _json_rows(path)
+        else:
+            yield from _table_rows(path)
+
+
+def _split_inline_reasoning(message: Message) -> None:
+    """``<think>r</think>reply`` in an assistant's content -> reasoning_content + content."""
+    content = message["content"]
+    if "reasoning_content" not in message and "</think>" in content:
+        reasoning, _, reply = content.partition("</think>")
+        message["reasoning_content"] = reasoning.replace("<think>", "", 1).strip()
+        message["content"] = reply.lstrip("\n")
+
+
+def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
+    """One data row -> messages with canonical roles; raises RowError naming ``where``."""
+    if not isinstance(row, dict):
+        raise RowError(SkipReason.malformed_row, where, f"expected a JSON object per conversation, got {type(row).__name__}.")
+    if fmt in (DataFormat.auto, DataFormat.chitchat):
+        fmt = DataFormat.sharegpt if "conversations" in row else DataFormat.openai
+    key, role_key, content_key = (
+        ("conversations", "from", "value") if fmt == DataFormat.sharegpt else ("messages", "role", "content")
+    )
+    turns = row.get(key)
+    if not isinstance(turns, list):
+        raise RowError(
+            SkipReason.malformed_row, where,
+            f"missing the '{key}' list ({fmt.value} format); fix the row or set data.format.",
         )
-    if file.suffix not in {".jsonl", ".json"}:
-        raise DataError(
-            f"data.path {path}: unsupported extension '{file.suffix}'; use .jsonl or .json."
-        )
-    for where, row in _rows(file):
-        yield where, normalise_row(row, fmt, where)
+    messages: Conversation = []
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn:
+            raise RowError(SkipReason.malformed_row, where, f"turn {index} has no '{role_key}' field.")
+        role = ROLE_ALIASES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise RowError(
+                SkipReason.unknown_role, where,
+                f"turn {index} has unknown role '{turn[role_key]}'; use one of {sorted(set(ROLE_ALIASES))}.",
+            )
+        content = turn.get(content_key)
+        has_tool_calls = bool(turn.get("tool_calls"))
+        if content is None and has_tool_calls:
+            content = ""
+        if not isinstance(content, str):
+            raise RowError(
+                SkipReason.non_string_content, where,
+                f"turn {index} '{content_key}' must be a string, got {type(content).__name__}.",
+            )
+        if not content.strip() and not has_tool_calls:
+            raise RowError(SkipReason.empty_content, where, f"turn {index} ({role}) has empty content.")
+        message: Message = {"role": role, "content": content}
+        message.update({k: turn[k] for k in EXTRA_FIELDS if turn.get(k) is not None})
+        if role == "assistant":
+            _split_inline_reasoning(message)
+        messages.append(message)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(SkipReason.no_assistant_turn, where, "no assistant turn to train on.")
+    return messages
+
+
+def preformatted_text(row: Any, where: str) -> str:
+    """The ``text`` of a preformatted row; raises RowError naming ``where``."""
+    if not isinstance(row, dict) or "text" not in row:
+        raise RowError(SkipReason.malformed_row, where, "a preformatted row needs a 'text' field.")
+    text = row["text"]
+    if not isinstance(text, str):
+        raise RowError(SkipReason.non_string_content, where, f"'text' must be a string, got {type(text).__name__}.")
+    if not text.strip():
+        raise RowError(SkipReason.empty_content, where, "'text' is empty.")
+    return text
+
+
+def read_conversations(fmt: DataFormat, path: str | None) -> Iterator[tuple[str, Conversation]]:
+    """(location, messages) for every conversation of a source; DataError at the first bad row."""
+    files = [] if fmt == DataFormat.chitchat else expand_sources([str(path)])
+    for where, row in read_rows(fmt, files):
+        try:
+            if isinstance(row, RowError):
+                raise row
+            yield where, normalise_row(row, fmt, where)
+        except RowError as e:
+            raise DataError(str(e)) from None

@@ -1,8 +1,9 @@
-"""The `data` config section and the tokenized, cached train/eval datasets.
+"""The `data` config section, preprocessing (render + tokenize, several processes) and its cache.
 
-Tokenized conversations are cached under ``<cache_dir>/data/<key>`` as an HF dataset, where
-the key hashes the source file's bytes, the tokenizer and chat template, and every setting
-that changes the result -- so an edited file is re-tokenized even when its path is the same.
+Preprocessed data is cached under ``<cache_dir>/data/<key>`` where the key hashes the *content*
+of every input file, the tokenizer and chat template, and every option that changes the result:
+editing a file rebuilds it even when its path is unchanged, and nothing else does. Entries are
+written to a temporary directory and renamed, so a crash never leaves one that later loads.
 """
 
 from __future__ import annotations
@@ -10,23 +11,47 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
+import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import MISSING
+from tqdm.auto import tqdm
 
-from eagleforge.data.conversations import DataFormat, chitchat_source_file, read_conversations
-from eagleforge.data.template import end_of_turn_marker, render, tokenize_rendered
+from eagleforge.data.conversations import (
+    DataFormat,
+    RawRow,
+    RowError,
+    SkipReason,
+    chitchat_source_file,
+    expand_sources,
+    normalise_row,
+    preformatted_text,
+    read_rows,
+)
+from eagleforge.data.named_templates import TEMPLATES
+from eagleforge.data.rendered import Rendered
+from eagleforge.data.template import make_renderer, tokenize_rendered
 from eagleforge.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-# Bump when tokenization or masking changes, so old caches are not reused.
-PIPELINE_VERSION = 2
+# Bump when rendering, tokenization or masking changes, so old cache entries are not reused.
+PIPELINE_VERSION = 3
+CHUNK_ROWS = 256
+
+
+class OnError(str, Enum):
+    raise_ = "raise"  # stop before training at the first bad row
+    skip = "skip"  # leave bad rows out and report how many, by reason
 
 
 @dataclass
@@ -35,20 +60,32 @@ class DataConfig:
 
     # Short name of the data set, used in run names.
     name: str = MISSING
-    # Row format of the file (auto | sharegpt | openai) or the bundled chitchat set.
+    # Row format (auto | sharegpt | openai) or the bundled chitchat set.
     format: DataFormat = DataFormat.auto
-    # Training conversations, a .jsonl or .json file (not used by format=chitchat).
+    # Training data: a .jsonl/.json/.parquet file, a saved HF dataset dir, or a glob of them.
     path: str | None = None
-    # Held-out conversations file; null = hold out num_eval_samples of the training data.
+    # More training sources (files, dirs or globs), read after `path`.
+    extra_paths: list[str] = field(default_factory=list)
+    # Held-out data (same kinds as path); null = hold out num_eval_samples of the training rows.
     eval_path: str | None = None
     # Conversations held out for eval when eval_path is null (0 = no eval).
     num_eval_samples: int = 64
-    # Use only the first N conversations of the source (null = all).
+    # Use only the first N rows of the source (null = all).
     max_num_samples: int | None = None
-    # Tokens per sample; longer conversations are truncated (their tail is dropped).
+    # Tokens per sample.
     max_length: int = 2048
+    # Over-long samples: true = keep the first max_length tokens; false = a too_long row error.
+    truncate: bool = True
     # Supervise only the last assistant turn of each conversation.
     train_only_last_turn: bool = False
+    # Chat template: auto = the tokenizer's own; or a named one (llama3, chatml, qwen3, ...).
+    template: str = "auto"
+    # Rows hold a `text` column with the chat template already applied.
+    preformatted: bool = False
+    # Bad rows: raise (stop before training) or skip (count by reason and go on).
+    on_error: OnError = OnError.raise_
+    # Processes used for preprocessing.
+    num_proc: int = 1
 
     def __post_init__(self) -> None:
         if self.format != DataFormat.chitchat and not self.path:
@@ -60,6 +97,41 @@ class DataConfig:
             raise ConfigError(f"data.max_length must be >= 4 tokens, got {self.max_length}.")
         if self.num_eval_samples < 0:
             raise ConfigError(f"data.num_eval_samples must be >= 0, got {self.num_eval_samples}.")
+        if self.num_proc < 1:
+            raise ConfigError(f"data.num_proc must be >= 1, got {self.num_proc}.")
+        if self.template != "auto" and self.template not in TEMPLATES:
+            raise ConfigError(
+                f"data.template={self.template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}."
+            )
+        if self.preformatted and self.format == DataFormat.chitchat:
+            raise ConfigError("data.preformatted=true needs a file of {'text': ...} rows, not data=chitchat.")
+
+    def sources(self) -> list[str]:
+        return [p for p in [self.path, *self.extra_paths] if p]
+
+
+@dataclass
+class DataReport:
+    """What preprocessing kept and dropped; logged to the console and MLflow."""
+
+    rows: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = {f"{prefix}/{k}": float(v) for k, v in asdict(self).items() if k != "skipped"}
+        out.update({f"{prefix}/skipped_{reason}": float(n) for reason, n in self.skipped.items()})
+        return out
+
+    def summary(self) -> str:
+        skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
+        return (
+            f"{self.rows} rows, {self.kept} kept, skipped: {skipped}; {self.truncated} truncated; "
+            f"{self.tokens} tokens, {self.supervised_tokens} supervised"
+        )
 
 
 class TokenizedDataset(torch.utils.data.Dataset):
@@ -79,122 +151,267 @@ class TokenizedDataset(torch.utils.data.Dataset):
         return zip(self.input_ids, self.loss_mask, strict=True)
 
     def subset(self, indices: list[int]) -> TokenizedDataset:
-        return TokenizedDataset(
-            [self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices]
-        )
+        return TokenizedDataset([self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices])
 
     def num_tokens(self) -> int:
         return sum(len(ids) for ids in self.input_ids)
 
 
-def _file_digest(path: Path) -> str:
+# ---------------------------------------------------------------------------------------------
+# Processing rows (in worker processes)
+
+
+@dataclass
+class _Settings:
+    fmt: DataFormat
+    preformatted: bool
+    max_length: int
+    truncate: bool
+    train_only_last_turn: bool
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(renderer: Any, tokenizer: Any, settings: _Settings) -> None:
+    _WORKER.update(renderer=renderer, tokenizer=tokenizer, settings=settings)
+
+
+def _render_row(where: str, row: Any, renderer: Any, settings: _Settings) -> Rendered:
+    if isinstance(row, RowError):
+        raise row
+    if settings.preformatted:
+        return renderer.render(preformatted_text(row, where), where)  # type: ignore[no-any-return]
+    try:
+        rendered: Rendered = renderer.render(normalise_row(row, settings.fmt, where), where)
+    except DataError as e:  # the template rejected the conversation
+        raise RowError(SkipReason.template_error, where, str(e).removeprefix(f"{where}: ")) from None
+    return rendered.last_turn_only() if settings.train_only_last_turn else rendered
+
+
+Processed = tuple[str, list[int], list[int], bool] | RowError  # (where, ids, mask, truncated)
+
+
+def process_chunk(chunk: list[RawRow]) -> list[Processed]:
+    """Render and tokenize a chunk of rows with the worker's renderer and tokenizer."""
+    renderer, tokenizer, settings = _WORKER["renderer"], _WORKER["tokenizer"], _WORKER["settings"]
+    rendered: list[tuple[str, Rendered]] = []
+    out: list[Processed | None] = []
+    for where, row in chunk:
+        try:
+            rendered.append((where, _render_row(where, row, renderer, settings)))
+            out.append(None)
+        except RowError as e:
+            out.append(e)
+    encoded = iter(tokenize_rendered([r for _, r in rendered], tokenizer))
+    places = iter(rendered)
+    for index, item in enumerate(out):
+        if item is not None:
+            continue
+        where, _ = next(places)
+        ids, mask = next(encoded)
+        too_long = len(ids) > settings.max_length
+        if too_long and not settings.truncate:
+            out[index] = RowError(
+                SkipReason.too_long, where,
+                f"{len(ids)} tokens exceed data.max_length={settings.max_length} "
+                "(raise it, or set data.truncate=true).",
+            )
+            continue
+        ids, mask = ids[: settings.max_length], mask[: settings.max_length]
+        if not any(mask):  # every reply was cut off by truncation
+            out[index] = RowError(SkipReason.too_long, where, f"no reply within the first {settings.max_length} tokens.")
+            continue
+        out[index] = (where, ids, mask, too_long)
+    return [item for item in out if item is not None]
+
+
+def _chunks(rows: Iterator[RawRow], limit: int | None) -> Iterator[list[RawRow]]:
+    chunk: list[RawRow] = []
+    for index, row in enumerate(rows):
+        if limit is not None and index >= limit:
+            break
+        chunk.append(row)
+        if len(chunk) == CHUNK_ROWS:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def preprocess_rows(
+    rows: Iterator[RawRow],
+    renderer: Any,
+    tokenizer: Any,
+    settings: _Settings,
+    on_error: OnError,
+    num_proc: int = 1,
+    limit: int | None = None,
+    desc: str = "preprocess",
+) -> tuple[TokenizedDataset, DataReport, list[str]]:
+    """Render + tokenize every row; returns the dataset, the report and each kept row's location."""
+    report, skipped = DataReport(), Counter[str]()
+    input_ids: list[list[int]] = []
+    loss_mask: list[list[int]] = []
+    wheres: list[str] = []
+    pool = None
+    if num_proc > 1:
+        # fork: workers inherit the tokenizer and renderer without pickling them.
+        pool = multiprocessing.get_context("fork").Pool(num_proc, _init_worker, (renderer, tokenizer, settings))
+        results: Iterator[list[Processed]] = pool.imap(process_chunk, _chunks(rows, limit))
+    else:
+        _init_worker(renderer, tokenizer, settings)
+        results = map(process_chunk, _chunks(rows, limit))
+    try:
+        with tqdm(desc=desc, unit="row", disable=None) as bar:
+            for processed in results:
+                for item in processed:
+                    report.rows += 1
+                    if isinstance(item, RowError):
+                        if on_error == OnError.raise_:
+                            raise DataError(f"{item} (set data.on_error=skip to leave such rows out)")
+                        skipped[item.reason.value] += 1
+                        continue
+                    where, ids, mask, truncated = item
+                    input_ids.append(ids)
+                    loss_mask.append(mask)
+                    wheres.append(where)
+                    report.truncated += int(truncated)
+                    report.tokens += len(ids)
+                    report.supervised_tokens += sum(mask)
+                bar.update(len(processed))
+    finally:
+        if pool is not None:
+            pool.terminate()
+    report.kept = len(input_ids)
+    report.skipped = dict(skipped)
+    return TokenizedDataset(input_ids, loss_mask), report, wheres
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+
+
+def file_digest(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else "").encode())
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 
-def _tokenizer_digest(tokenizer) -> str:  # type: ignore[no-untyped-def]
+def tokenizer_digest(tokenizer: Any) -> str:
     digest = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(
-        (backend.to_str() if backend is not None else str(tokenizer.get_vocab())).encode()
-    )
-    digest.update(str(tokenizer.chat_template).encode())
+    digest.update((backend.to_str() if backend is not None else str(sorted(tokenizer.get_vocab().items()))).encode())
+    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return digest.hexdigest()
 
 
-def tokenize_source(
-    fmt: DataFormat,
-    path: str | None,
-    tokenizer,  # type: ignore[no-untyped-def]
-    max_length: int,
-    train_only_last_turn: bool,
-    max_num_samples: int | None,
-    cache_dir: str | Path,
-) -> TokenizedDataset:
-    """Tokenize one source (cached by content); samples without supervised tokens are dropped."""
-    source_file = chitchat_source_file() if fmt == DataFormat.chitchat else Path(str(path))
-    if not source_file.is_file():
-        raise DataError(
-            f"data file {source_file} does not exist; check data.path / data.eval_path."
-        )
-    key_parts = {
-        "source": _file_digest(source_file),
-        "format": fmt.value,
-        "tokenizer": _tokenizer_digest(tokenizer),
-        "max_length": max_length,
-        "train_only_last_turn": train_only_last_turn,
-        "max_num_samples": max_num_samples,
-        "version": PIPELINE_VERSION,
-    }
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:16]
-    cached = Path(cache_dir) / "data" / key
-    import datasets
-
-    if (cached / "dataset_info.json").exists():
-        columns = datasets.load_from_disk(str(cached)).to_dict()
-        return TokenizedDataset(columns["input_ids"], columns["loss_mask"])
-
-    eot = end_of_turn_marker(tokenizer)
-    rendered = []
-    for index, (where, messages) in enumerate(read_conversations(fmt, path)):
-        if max_num_samples is not None and index >= max_num_samples:
-            break
-        rendered.append(render(messages, tokenizer, eot, train_only_last_turn, where))
-    samples = tokenize_rendered(rendered, tokenizer, max_length)
-    kept = [(ids, mask) for ids, mask in samples if sum(mask) > 0]
-    if len(kept) < len(samples):
-        log.info(
-            "%s: dropped %d conversations with no supervised tokens",
-            source_file,
-            len(samples) - len(kept),
-        )
-    if not kept:
-        raise DataError(f"{source_file}: no conversation has an assistant turn to train on.")
-    input_ids = [ids for ids, _ in kept]
-    loss_mask = [mask for _, mask in kept]
-
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cached.parent))
+def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp_dir)`` then rename it to ``final``; concurrent writers leave one complete entry."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        datasets.Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_mask}).save_to_disk(
-            str(tmp)
-        )
-        tmp.rename(cached)
-    except OSError:
-        if not (cached / "dataset_info.json").exists():
-            raise
+        write(tmp)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return TokenizedDataset(input_ids, loss_mask)
 
 
-def build_datasets(
-    cfg: DataConfig, tokenizer, cache_dir: str | Path, seed: int
-) -> tuple[TokenizedDataset, TokenizedDataset | None]:  # type: ignore[no-untyped-def]
-    """Train and eval datasets; without eval_path a seeded random hold-out of the training data."""
-    common = dict(
-        tokenizer=tokenizer,
-        max_length=cfg.max_length,
-        train_only_last_turn=cfg.train_only_last_turn,
-        cache_dir=cache_dir,
+def _save(dataset: TokenizedDataset, report: DataReport, out: Path) -> None:
+    import datasets
+
+    columns = {"input_ids": dataset.input_ids, "loss_mask": dataset.loss_mask}
+    datasets.Dataset.from_dict(columns).save_to_disk(str(out / "dataset"))
+    (out / "report.json").write_text(json.dumps(asdict(report), indent=2))
+
+
+def _load(entry: Path) -> tuple[TokenizedDataset, DataReport]:
+    import datasets
+
+    columns = datasets.load_from_disk(str(entry / "dataset")).to_dict()
+    report = DataReport(**json.loads((entry / "report.json").read_text()))
+    return TokenizedDataset(columns["input_ids"], columns["loss_mask"]), report
+
+
+def preprocess_source(
+    cfg: DataConfig,
+    fmt: DataFormat,
+    patterns: list[str],
+    tokenizer: Any,
+    cache_dir: str | Path,
+    limit: int | None,
+) -> tuple[TokenizedDataset, DataReport, Path]:
+    """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir."""
+    files = [chitchat_source_file()] if fmt == DataFormat.chitchat else expand_sources(patterns)
+    key_parts = {
+        "files": [file_digest(f) for f in files],
+        "format": fmt.value,
+        "tokenizer": tokenizer_digest(tokenizer),
+        "template": cfg.template,
+        "preformatted": cfg.preformatted,
+        "max_length": cfg.max_length,
+        "truncate": cfg.truncate,
+        "train_only_last_turn": cfg.train_only_last_turn,
+        "on_error": cfg.on_error.value,
+        "limit": limit,
+        "version": PIPELINE_VERSION,
+    }
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
+    entry = Path(cache_dir) / "data" / key
+    if (entry / "report.json").exists():
+        return (*_load(entry), entry)
+    settings = _Settings(fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn)
+    renderer = make_renderer(cfg.template, tokenizer, cfg.preformatted)
+    dataset, report, _ = preprocess_rows(
+        read_rows(fmt, files), renderer, tokenizer, settings, cfg.on_error, cfg.num_proc, limit
     )
-    full = tokenize_source(cfg.format, cfg.path, max_num_samples=cfg.max_num_samples, **common)
+    if report.kept == 0:
+        raise DataError(f"{', '.join(map(str, files))}: no usable conversation ({report.summary()}).")
+    write_atomically(entry, lambda out: _save(dataset, report, out))
+    return dataset, report, entry
+
+
+@dataclass
+class PreparedData:
+    train: TokenizedDataset
+    eval: TokenizedDataset | None
+    report: DataReport  # of the training source, before the hold-out split
+    cache_key: str  # identifies the training rows: the cache entry name plus the split
+
+    def vocab_cache_file(self, cache_dir: str | Path, vocab_size: int, draft_vocab_size: int) -> Path:
+        return Path(cache_dir) / "vocab" / f"{self.cache_key}-{vocab_size}-{draft_vocab_size}.safetensors"
+
+
+def build_datasets(cfg: DataConfig, tokenizer: Any, cache_dir: str | Path, seed: int) -> PreparedData:
+    """Train and eval datasets (without eval_path: a seeded random hold-out) and the train report."""
+    limit = cfg.max_num_samples
+    full, report, entry = preprocess_source(cfg, cfg.format, cfg.sources(), tokenizer, cache_dir, limit)
+    log.info("data %s: %s", cfg.name, report.summary())
     if cfg.eval_path:
-        return full, tokenize_source(DataFormat.auto, cfg.eval_path, max_num_samples=None, **common)
+        held_out, _, _ = preprocess_source(cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None)
+        return PreparedData(full, held_out, report, entry.name)
     if cfg.num_eval_samples == 0:
-        return full, None
+        return PreparedData(full, None, report, entry.name)
     if cfg.num_eval_samples >= len(full):
         raise ConfigError(
             f"data.num_eval_samples={cfg.num_eval_samples} leaves no training data "
             f"({len(full)} conversations); lower it."
         )
     order = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
-    held_out = sorted(order[: cfg.num_eval_samples])
-    train = sorted(order[cfg.num_eval_samples :])
-    return full.subset(train), full.subset(held_out)
+    held_out_ids = sorted(order[: cfg.num_eval_samples])
+    train_ids = sorted(order[cfg.num_eval_samples :])
+    key = f"{entry.name}-holdout{cfg.num_eval_samples}-seed{seed}"
+    return PreparedData(full.subset(train_ids), full.subset(held_out_ids), report, key)
 
 
 @dataclass

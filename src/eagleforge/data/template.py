@@ -1,104 +1,181 @@
-"""Chat template rendering and the token-level loss mask.
+"""Rendering conversations with a chat template, and tokenizing with a token-exact loss mask.
 
-The conversation is rendered with the tokenizer's own chat template. Each assistant turn's
-supervised span is its content plus the template's end-of-turn marker (e.g. ``<|im_end|>``).
-The text is cut at span edges and each piece is tokenized on its own, so the supervised
-tokens decode to exactly that span -- as at serving time, where the prompt is tokenized
-and the reply is generated token by token, no BPE merge crosses the boundary.
+A renderer turns messages into a ``Rendered`` (text + supervised character spans):
+
+- ``TokenizerTemplate``: the tokenizer's own Jinja chat template (``data.template=auto``).
+  A reply's span starts where the template's generation prompt ends (so a think block the
+  model generates is supervised) and ends after the end-of-turn marker that follows it.
+- a ``NamedTemplate`` (``data.template=<name>``, see ``named_templates.py``).
+- ``PreformattedText`` (``data.preformatted=true``): text already templated; replies are found
+  between the template's reply-start and end-of-turn markers.
+
+Tokenization cuts the text at span edges and tokenizes each piece on its own, so the
+supervised tokens decode to exactly the reply -- as at serving time, where the prompt is
+tokenized and the reply generated token by token, no BPE merge crosses the boundary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Protocol
 
 from eagleforge.data.conversations import Conversation
-from eagleforge.errors import DataError
+from eagleforge.data.named_templates import TEMPLATES
+from eagleforge.data.rendered import Rendered
+from eagleforge.errors import ConfigError, DataError
 
 _PROBE = "EAGLEFORGE_PROBE_REPLY"
+# Private-use code points: never produced by real text, survive any Jinja filter but trim.
+_SENTINEL = "\ue000{}\ue001"
 
 
-def end_of_turn_marker(tokenizer) -> str:  # type: ignore[no-untyped-def]
+class Renderer(Protocol):
+    name: str
+
+    def render(self, messages: Conversation, where: str) -> Rendered: ...
+
+
+def end_of_turn_marker(tokenizer: Any) -> str:
     """The text the template puts right after an assistant reply (whitespace excluded)."""
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
-        tokenize=False,
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], tokenize=False
     )
-    tail = rendered[rendered.rindex(_PROBE) + len(_PROBE) :]
-    return tail.rstrip()
+    return rendered[rendered.rindex(_PROBE) + len(_PROBE) :].rstrip()
 
 
-@dataclass
-class Rendered:
-    """A conversation as text plus the [start, end) character spans to supervise."""
-
-    text: str
-    spans: list[tuple[int, int]]
-
-    def segments(self) -> list[tuple[str, bool]]:
-        """The text cut at span edges: (piece, supervised) in order."""
-        pieces, cursor = [], 0
-        for start, end in self.spans:
-            if start > cursor:
-                pieces.append((self.text[cursor:start], False))
-            pieces.append((self.text[start:end], True))
-            cursor = end
-        if cursor < len(self.text):
-            pieces.append((self.text[cursor:], False))
-        return pieces
+def generation_prompt(tokenizer: Any) -> str:
+    """What ``add_generation_prompt`` appends after a user turn, e.g. ``<|im_start|>assistant\\n``."""
+    user = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.apply_chat_template(user, tokenize=False)
+    prompted = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    return prompted[len(plain) :] if prompted.startswith(plain) else ""
 
 
-def render(
-    messages: Conversation,
-    tokenizer,  # type: ignore[no-untyped-def]
-    eot_marker: str,
-    train_only_last_turn: bool,
-    where: str,
-) -> Rendered:
-    """Render with the chat template and locate every supervised assistant span.
+def _extend_over_end_marker(text: str, end: int, eot_marker: str) -> int:
+    """Move ``end`` past whitespace the template kept from the reply and the end-of-turn marker."""
+    after = text[end:]
+    gap = len(after) - len(after.lstrip())
+    if eot_marker and after.startswith(eot_marker, gap):
+        return end + gap + len(eot_marker)
+    return end
 
-    A reply starts where the template's generation prompt for the conversation so far ends
-    (what the model would generate from there), and ends after the end-of-turn marker that
-    follows its content. Templates whose earlier turns render differently once later turns
-    exist (e.g. reasoning dropped from history) fall back to searching for the reply after
-    the preceding messages' content.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans: list[tuple[int, int]] = []
-    cursor = 0  # everything before it belongs to earlier messages
-    for index, message in enumerate(messages):
-        content = message["content"].strip()
-        if message["role"] != "assistant":
-            found = text.find(content, cursor) if content else -1
-            cursor = found + len(content) if found >= 0 else cursor
-            continue
-        if not content:  # nothing to learn from an empty reply
-            continue
-        prompt = tokenizer.apply_chat_template(
-            messages[:index], tokenize=False, add_generation_prompt=True
-        )
-        start = len(prompt) if text.startswith(prompt) and len(prompt) >= cursor else None
-        found = text.find(content, cursor if start is None else start)
-        if found < 0:
-            raise DataError(
-                f"{where}: assistant turn {index} does not appear verbatim in the rendered chat "
-                "template; the template rewrites it (set data.train_only_last_turn or fix the data)."
+
+class TokenizerTemplate:
+    """The tokenizer's own chat template."""
+
+    name = "auto"
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "the tokenizer has no chat template: set data.template to one of "
+                f"{', '.join(sorted(TEMPLATES))}."
             )
-        end = found + len(content)
-        after = text[end:]
-        gap = len(after) - len(after.lstrip())  # whitespace the template kept from the reply
-        if eot_marker and after.startswith(eot_marker, gap):
-            end += gap + len(eot_marker)
-        spans.append((found if start is None else start, end))
-        cursor = end
-    if train_only_last_turn:
-        spans = spans[-1:]
-    return Rendered(text, spans)
+        self.tokenizer = tokenizer
+        self.eot_marker = end_of_turn_marker(tokenizer)
+        self.header = generation_prompt(tokenizer)
+
+    def _apply(self, messages: Conversation, where: str, **kwargs: Any) -> str:
+        try:
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs))
+        except Exception as e:  # Jinja raises for conversations the template rejects
+            raise DataError(f"{where}: the chat template rejects this conversation: {e}") from None
+
+    def render(self, messages: Conversation, where: str) -> Rendered:
+        text = self._apply(messages, where)
+        fast = self._render_with_sentinels(messages, text, where)
+        return fast if fast is not None else self._render_turn_by_turn(messages, text, where)
+
+    def _render_with_sentinels(self, messages: Conversation, text: str, where: str) -> Rendered | None:
+        """One extra render with placeholder replies; None if the template transforms replies."""
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].strip()]
+        marked = [
+            {**m, "content": _SENTINEL.format(i)} if i in replies else m for i, m in enumerate(messages)
+        ]
+        skeleton = self._apply(marked, where)
+        rebuilt, spans, cursor = "", [], 0
+        for i in replies:
+            sentinel = _SENTINEL.format(i)
+            at = skeleton.find(sentinel, cursor)
+            if at < 0 or skeleton.count(sentinel) != 1:
+                return None
+            rebuilt += skeleton[cursor:at]
+            # The reply starts after this turn's generation prompt (after the previous reply).
+            header_at = rebuilt.rfind(self.header, spans[-1][1] if spans else 0) if self.header else -1
+            start = header_at + len(self.header) if header_at >= 0 else len(rebuilt)
+            rebuilt += messages[i]["content"]
+            cursor = at + len(sentinel)
+            spans.append((start, len(rebuilt)))
+        rebuilt += skeleton[cursor:]
+        if rebuilt != text:
+            return None
+        return Rendered(text, [(s, _extend_over_end_marker(text, e, self.eot_marker)) for s, e in spans])
+
+    def _render_turn_by_turn(self, messages: Conversation, text: str, where: str) -> Rendered:
+        """Slow, general path: locate each reply after its own generation prompt."""
+        spans: list[tuple[int, int]] = []
+        cursor = 0  # everything before it belongs to earlier messages
+        for index, message in enumerate(messages):
+            content = message["content"].strip()
+            if message["role"] != "assistant":
+                found = text.find(content, cursor) if content else -1
+                cursor = found + len(content) if found >= 0 else cursor
+                continue
+            if not content:
+                continue
+            prompt = self._apply(messages[:index], where, add_generation_prompt=True)
+            start = len(prompt) if text.startswith(prompt) and len(prompt) >= cursor else None
+            found = text.find(content, cursor if start is None else start)
+            if found < 0:
+                raise DataError(
+                    f"{where}: assistant turn {index} does not appear verbatim in the rendered chat "
+                    "template (the template rewrites it); use a named template (data.template=...)."
+                )
+            end = _extend_over_end_marker(text, found + len(content), self.eot_marker)
+            spans.append((found if start is None else start, end))
+            cursor = end
+        return Rendered(text, spans)
+
+
+class PreformattedText:
+    """Rows whose ``text`` already has the chat template applied."""
+
+    name = "preformatted"
+
+    def __init__(self, reply_start: str, reply_end: str) -> None:
+        if not reply_start or not reply_end:
+            raise ConfigError("data.preformatted=true needs a template with reply markers; set data.template.")
+        self.reply_start, self.reply_end = reply_start, reply_end
+
+    def render(self, text: str, where: str) -> Rendered:  # type: ignore[override]
+        spans, cursor = [], 0
+        while (at := text.find(self.reply_start, cursor)) >= 0:
+            start = at + len(self.reply_start)
+            end_at = text.find(self.reply_end, start)
+            end = len(text) if end_at < 0 else end_at + len(self.reply_end)
+            if end > start:
+                spans.append((start, end))
+            cursor = end
+        if not spans:
+            raise DataError(f"{where}: no assistant reply found (looked for {self.reply_start!r}).")
+        return Rendered(text, spans)
+
+
+def make_renderer(template: str, tokenizer: Any, preformatted: bool = False) -> Any:
+    """The renderer for ``data.template`` (``auto`` = the tokenizer's own)."""
+    if template != "auto" and template not in TEMPLATES:
+        raise ConfigError(f"data.template={template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}.")
+    if not preformatted:
+        return TokenizerTemplate(tokenizer) if template == "auto" else TEMPLATES[template]
+    if template != "auto":
+        return PreformattedText(*TEMPLATES[template].preformatted_markers())
+    own = TokenizerTemplate(tokenizer)
+    return PreformattedText(own.header, own.eot_marker)
 
 
 def tokenize_rendered(
-    batch: list[Rendered], tokenizer, max_length: int
-) -> list[tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
-    """Token ids and 0/1 loss mask per conversation, truncated to ``max_length`` tokens."""
+    batch: list[Rendered], tokenizer: Any
+) -> list[tuple[list[int], list[int]]]:
+    """Token ids and 0/1 loss mask per rendered conversation (one batched tokenizer call)."""
     flat: list[str] = []
     owners: list[tuple[int, bool]] = []
     for index, rendered in enumerate(batch):
@@ -110,4 +187,4 @@ def tokenize_rendered(
     for (index, supervised), ids in zip(owners, encoded, strict=True):
         out[index][0].extend(ids)
         out[index][1].extend([int(supervised)] * len(ids))
-    return [(ids[:max_length], mask[:max_length]) for ids, mask in out]
+    return out

@@ -6,10 +6,13 @@ and vLLM read it; ``t2d[v]`` is True for target ids in the draft vocabulary.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 
 @dataclass
@@ -45,3 +48,18 @@ def build_vocab_map(counts_V: torch.Tensor, draft_vocab_size: int) -> VocabMap:
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[kept] = True
     return VocabMap(d2t_W=kept - torch.arange(draft_vocab_size), t2d_V=t2d)
+
+
+def cached_vocab_map(
+    samples: Iterable[tuple[list[int], list[int]]], vocab_size: int, draft_vocab_size: int, cache_file: Path
+) -> VocabMap:
+    """``build_vocab_map`` of the samples' supervised-token counts, cached in ``cache_file``."""
+    if cache_file.exists():
+        tensors = load_file(str(cache_file))
+        return VocabMap(d2t_W=tensors["d2t"], t2d_V=tensors["t2d"])
+    vocab = build_vocab_map(count_supervised_tokens(samples, vocab_size), draft_vocab_size)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+    save_file({"d2t": vocab.d2t_W, "t2d": vocab.t2d_V}, str(tmp))
+    os.replace(tmp, cache_file)  # atomic: readers see the old state or the complete file
+    return vocab
