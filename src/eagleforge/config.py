@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.data.dataset import DataConfig
+from eagleforge.data.inspection import InspectConfig
 from eagleforge.draft.model import DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.optim import OptimizerConfig
@@ -48,6 +49,8 @@ class EagleForgeConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     # Loop, eval and checkpoint cadence.
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Options of eagleforge.inspect_data.
+    inspect: InspectConfig = field(default_factory=InspectConfig)
     # Seed of weights init, data split and shuffling.
     seed: int = 0
     # Root of run outputs and of the default MLflow store.

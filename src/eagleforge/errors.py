@@ -3,6 +3,16 @@
 Entry points catch these and print them without a traceback; anything else is a bug.
 """
 
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class EagleForgeError(Exception):
     """Base class of errors caused by the user's input rather than by a bug."""
@@ -14,3 +24,17 @@ class ConfigError(EagleForgeError, ValueError):
 
 class DataError(EagleForgeError, ValueError):
     """An input data file is unreadable or malformed; the message names the file and line."""
+
+
+def exit_on_user_error(main: Callable[P, R]) -> Callable[P, R]:
+    """Entry-point decorator: a user error prints one line and exits with status 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return main(*args, **kwargs)
+        except EagleForgeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

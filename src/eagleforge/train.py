@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import random
-import sys
 from pathlib import Path
 
 import hydra
@@ -24,11 +23,11 @@ from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_t
 from eagleforge.data.dataset import Collator, build_datasets
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.errors import ConfigError, EagleForgeError
+from eagleforge.errors import exit_on_user_error
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
 from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import TargetDType, resolve_model_dir
+from eagleforge.target.source import TargetDType, load_tokenizer, resolve_model_dir
 from eagleforge.target.teacher import teacher_batch
 from eagleforge.tracking import MLflowTracker, build_tracker, flatten
 from eagleforge.trainer import Trainer, TrainResult
@@ -57,14 +56,8 @@ def run(cfg: DictConfig) -> TrainResult:
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    from transformers import AutoTokenizer
-
     model_dir = resolve_model_dir(config.model, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_dir, trust_remote_code=config.model.trust_remote_code
-    )
-    if not tokenizer.chat_template:
-        raise ConfigError(f"the tokenizer of model '{config.model.name}' has no chat template.")
+    tokenizer = load_tokenizer(config.model, model_dir)
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
     train_set, eval_set = data.train, data.eval
     log.info(
@@ -186,12 +179,9 @@ def print_summary(result: TrainResult, tracker: object) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except EagleForgeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run(cfg)
 
 
 def main() -> None:

@@ -73,6 +73,10 @@ class RowError(Exception):
         super().__init__(f"{where}: {detail}")
         self.reason, self.where, self.detail = reason, where, detail
 
+    def __reduce__(self) -> tuple[type[RowError], tuple[SkipReason, str, str]]:
+        # Pickled from worker processes: rebuild from the fields, not from the message.
+        return RowError, (self.reason, self.where, self.detail)
+
 
 RawRow = tuple[str, Any]  # (location, parsed row) -- or (location, RowError) for unreadable ones
 
@@ -80,7 +84,9 @@ RawRow = tuple[str, Any]  # (location, parsed row) -- or (location, RowError) fo
 def chitchat_source_file() -> Path:
     spec = importlib.util.find_spec("chitchat_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("data=chitchat needs the chitchat-dataset package: pip install 'eagleforge[demo]'.")
+        raise DataError(
+            "data=chitchat needs the chitchat-dataset package: pip install 'eagleforge[demo]'."
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
 
 
@@ -94,11 +100,17 @@ def expand_sources(patterns: list[str]) -> list[Path]:
         for match in matches:
             path = Path(match)
             if not path.exists():
-                raise DataError(f"data file {path} does not exist; check data.path / data.eval_path.")
+                raise DataError(
+                    f"data file {path} does not exist; check data.path / data.eval_path."
+                )
             if path.is_dir() and not (path / "dataset_info.json").exists():
-                raise DataError(f"{path} is a directory but not a saved HF dataset (no dataset_info.json).")
+                raise DataError(
+                    f"{path} is a directory but not a saved HF dataset (no dataset_info.json)."
+                )
             if path.is_file() and path.suffix not in {".jsonl", ".json", ".parquet"}:
-                raise DataError(f"{path}: unsupported extension '{path.suffix}'; use .jsonl, .json or .parquet.")
+                raise DataError(
+                    f"{path}: unsupported extension '{path.suffix}'; use .jsonl, .json or .parquet."
+                )
             sources.append(path)
     return sources
 
@@ -110,14 +122,28 @@ def _jsonl_rows(path: Path) -> Iterator[RawRow]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield where, RowError(SkipReason.invalid_utf8, where, f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8.")
+                yield (
+                    where,
+                    RowError(
+                        SkipReason.invalid_utf8,
+                        where,
+                        f"invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8.",
+                    ),
+                )
                 continue
             if not line.strip():
                 continue
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, RowError(SkipReason.invalid_json, where, f"not valid JSON ({e.msg}); fix or remove the line.")
+                yield (
+                    where,
+                    RowError(
+                        SkipReason.invalid_json,
+                        where,
+                        f"not valid JSON ({e.msg}); fix or remove the line.",
+                    ),
+                )
 
 
 def _json_rows(path: Path) -> Iterator[RawRow]:
@@ -143,7 +169,9 @@ def _table_rows(path: Path) -> Iterator[RawRow]:
 
         table = datasets.load_from_disk(str(path))
         if isinstance(table, datasets.DatasetDict):
-            raise DataError(f"{path} holds several splits ({list(table)}); point data.path at one split's directory.")
+            raise DataError(
+                f"{path} holds several splits ({list(table)}); point data.path at one split's directory."
+            )
         rows: Any = table
     else:
         import pyarrow.parquet as pq
@@ -195,26 +223,36 @@ def _split_inline_reasoning(message: Message) -> None:
 def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
     """One data row -> messages with canonical roles; raises RowError naming ``where``."""
     if not isinstance(row, dict):
-        raise RowError(SkipReason.malformed_row, where, f"expected a JSON object per conversation, got {type(row).__name__}.")
+        raise RowError(
+            SkipReason.malformed_row,
+            where,
+            f"expected a JSON object per conversation, got {type(row).__name__}.",
+        )
     if fmt in (DataFormat.auto, DataFormat.chitchat):
         fmt = DataFormat.sharegpt if "conversations" in row else DataFormat.openai
     key, role_key, content_key = (
-        ("conversations", "from", "value") if fmt == DataFormat.sharegpt else ("messages", "role", "content")
+        ("conversations", "from", "value")
+        if fmt == DataFormat.sharegpt
+        else ("messages", "role", "content")
     )
     turns = row.get(key)
     if not isinstance(turns, list):
         raise RowError(
-            SkipReason.malformed_row, where,
+            SkipReason.malformed_row,
+            where,
             f"missing the '{key}' list ({fmt.value} format); fix the row or set data.format.",
         )
     messages: Conversation = []
     for index, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn:
-            raise RowError(SkipReason.malformed_row, where, f"turn {index} has no '{role_key}' field.")
+            raise RowError(
+                SkipReason.malformed_row, where, f"turn {index} has no '{role_key}' field."
+            )
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
             raise RowError(
-                SkipReason.unknown_role, where,
+                SkipReason.unknown_role,
+                where,
                 f"turn {index} has unknown role '{turn[role_key]}'; use one of {sorted(set(ROLE_ALIASES))}.",
             )
         content = turn.get(content_key)
@@ -223,11 +261,14 @@ def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
             content = ""
         if not isinstance(content, str):
             raise RowError(
-                SkipReason.non_string_content, where,
+                SkipReason.non_string_content,
+                where,
                 f"turn {index} '{content_key}' must be a string, got {type(content).__name__}.",
             )
         if not content.strip() and not has_tool_calls:
-            raise RowError(SkipReason.empty_content, where, f"turn {index} ({role}) has empty content.")
+            raise RowError(
+                SkipReason.empty_content, where, f"turn {index} ({role}) has empty content."
+            )
         message: Message = {"role": role, "content": content}
         message.update({k: turn[k] for k in EXTRA_FIELDS if turn.get(k) is not None})
         if role == "assistant":
@@ -244,7 +285,11 @@ def preformatted_text(row: Any, where: str) -> str:
         raise RowError(SkipReason.malformed_row, where, "a preformatted row needs a 'text' field.")
     text = row["text"]
     if not isinstance(text, str):
-        raise RowError(SkipReason.non_string_content, where, f"'text' must be a string, got {type(text).__name__}.")
+        raise RowError(
+            SkipReason.non_string_content,
+            where,
+            f"'text' must be a string, got {type(text).__name__}.",
+        )
     if not text.strip():
         raise RowError(SkipReason.empty_content, where, "'text' is empty.")
     return text

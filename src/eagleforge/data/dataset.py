@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -104,7 +105,9 @@ class DataConfig:
                 f"data.template={self.template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}."
             )
         if self.preformatted and self.format == DataFormat.chitchat:
-            raise ConfigError("data.preformatted=true needs a file of {'text': ...} rows, not data=chitchat.")
+            raise ConfigError(
+                "data.preformatted=true needs a file of {'text': ...} rows, not data=chitchat."
+            )
 
     def sources(self) -> list[str]:
         return [p for p in [self.path, *self.extra_paths] if p]
@@ -151,7 +154,9 @@ class TokenizedDataset(torch.utils.data.Dataset):
         return zip(self.input_ids, self.loss_mask, strict=True)
 
     def subset(self, indices: list[int]) -> TokenizedDataset:
-        return TokenizedDataset([self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices])
+        return TokenizedDataset(
+            [self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices]
+        )
 
     def num_tokens(self) -> int:
         return sum(len(ids) for ids in self.input_ids)
@@ -185,7 +190,9 @@ def _render_row(where: str, row: Any, renderer: Any, settings: _Settings) -> Ren
     try:
         rendered: Rendered = renderer.render(normalise_row(row, settings.fmt, where), where)
     except DataError as e:  # the template rejected the conversation
-        raise RowError(SkipReason.template_error, where, str(e).removeprefix(f"{where}: ")) from None
+        raise RowError(
+            SkipReason.template_error, where, str(e).removeprefix(f"{where}: ")
+        ) from None
     return rendered.last_turn_only() if settings.train_only_last_turn else rendered
 
 
@@ -213,14 +220,19 @@ def process_chunk(chunk: list[RawRow]) -> list[Processed]:
         too_long = len(ids) > settings.max_length
         if too_long and not settings.truncate:
             out[index] = RowError(
-                SkipReason.too_long, where,
+                SkipReason.too_long,
+                where,
                 f"{len(ids)} tokens exceed data.max_length={settings.max_length} "
                 "(raise it, or set data.truncate=true).",
             )
             continue
         ids, mask = ids[: settings.max_length], mask[: settings.max_length]
         if not any(mask):  # every reply was cut off by truncation
-            out[index] = RowError(SkipReason.too_long, where, f"no reply within the first {settings.max_length} tokens.")
+            out[index] = RowError(
+                SkipReason.too_long,
+                where,
+                f"no reply within the first {settings.max_length} tokens.",
+            )
             continue
         out[index] = (where, ids, mask, too_long)
     return [item for item in out if item is not None]
@@ -256,9 +268,15 @@ def preprocess_rows(
     wheres: list[str] = []
     pool = None
     if num_proc > 1:
-        # fork: workers inherit the tokenizer and renderer without pickling them.
-        pool = multiprocessing.get_context("fork").Pool(num_proc, _init_worker, (renderer, tokenizer, settings))
-        results: Iterator[list[Processed]] = pool.imap(process_chunk, _chunks(rows, limit))
+        # fork: workers inherit the tokenizer and renderer without pickling them; a worker that
+        # dies raises BrokenProcessPool here instead of hanging.
+        pool = ProcessPoolExecutor(
+            num_proc,
+            multiprocessing.get_context("fork"),
+            _init_worker,
+            (renderer, tokenizer, settings),
+        )
+        results: Iterator[list[Processed]] = pool.map(process_chunk, _chunks(rows, limit))
     else:
         _init_worker(renderer, tokenizer, settings)
         results = map(process_chunk, _chunks(rows, limit))
@@ -269,7 +287,9 @@ def preprocess_rows(
                     report.rows += 1
                     if isinstance(item, RowError):
                         if on_error == OnError.raise_:
-                            raise DataError(f"{item} (set data.on_error=skip to leave such rows out)")
+                            raise DataError(
+                                f"{item} (set data.on_error=skip to leave such rows out)"
+                            )
                         skipped[item.reason.value] += 1
                         continue
                     where, ids, mask, truncated = item
@@ -282,7 +302,7 @@ def preprocess_rows(
                 bar.update(len(processed))
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.shutdown(cancel_futures=True)
     report.kept = len(input_ids)
     report.skipped = dict(skipped)
     return TokenizedDataset(input_ids, loss_mask), report, wheres
@@ -306,7 +326,11 @@ def file_digest(path: Path) -> str:
 def tokenizer_digest(tokenizer: Any) -> str:
     digest = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update((backend.to_str() if backend is not None else str(sorted(tokenizer.get_vocab().items()))).encode())
+    digest.update(
+        (
+            backend.to_str() if backend is not None else str(sorted(tokenizer.get_vocab().items()))
+        ).encode()
+    )
     digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return digest.hexdigest()
 
@@ -370,13 +394,17 @@ def preprocess_source(
     entry = Path(cache_dir) / "data" / key
     if (entry / "report.json").exists():
         return (*_load(entry), entry)
-    settings = _Settings(fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn)
+    settings = _Settings(
+        fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn
+    )
     renderer = make_renderer(cfg.template, tokenizer, cfg.preformatted)
     dataset, report, _ = preprocess_rows(
         read_rows(fmt, files), renderer, tokenizer, settings, cfg.on_error, cfg.num_proc, limit
     )
     if report.kept == 0:
-        raise DataError(f"{', '.join(map(str, files))}: no usable conversation ({report.summary()}).")
+        raise DataError(
+            f"{', '.join(map(str, files))}: no usable conversation ({report.summary()})."
+        )
     write_atomically(entry, lambda out: _save(dataset, report, out))
     return dataset, report, entry
 
@@ -388,17 +416,29 @@ class PreparedData:
     report: DataReport  # of the training source, before the hold-out split
     cache_key: str  # identifies the training rows: the cache entry name plus the split
 
-    def vocab_cache_file(self, cache_dir: str | Path, vocab_size: int, draft_vocab_size: int) -> Path:
-        return Path(cache_dir) / "vocab" / f"{self.cache_key}-{vocab_size}-{draft_vocab_size}.safetensors"
+    def vocab_cache_file(
+        self, cache_dir: str | Path, vocab_size: int, draft_vocab_size: int
+    ) -> Path:
+        return (
+            Path(cache_dir)
+            / "vocab"
+            / f"{self.cache_key}-{vocab_size}-{draft_vocab_size}.safetensors"
+        )
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any, cache_dir: str | Path, seed: int) -> PreparedData:
+def build_datasets(
+    cfg: DataConfig, tokenizer: Any, cache_dir: str | Path, seed: int
+) -> PreparedData:
     """Train and eval datasets (without eval_path: a seeded random hold-out) and the train report."""
     limit = cfg.max_num_samples
-    full, report, entry = preprocess_source(cfg, cfg.format, cfg.sources(), tokenizer, cache_dir, limit)
+    full, report, entry = preprocess_source(
+        cfg, cfg.format, cfg.sources(), tokenizer, cache_dir, limit
+    )
     log.info("data %s: %s", cfg.name, report.summary())
     if cfg.eval_path:
-        held_out, _, _ = preprocess_source(cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None)
+        held_out, _, _ = preprocess_source(
+            cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None
+        )
         return PreparedData(full, held_out, report, entry.name)
     if cfg.num_eval_samples == 0:
         return PreparedData(full, None, report, entry.name)

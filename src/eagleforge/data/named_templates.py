@@ -55,7 +55,9 @@ class NamedTemplate:
         system, turns = _split_system(messages, self.default_system)
         user_ids = [i for i, m in enumerate(turns) if m["role"] == "user"]
         last_user = user_ids[-1] if user_ids else -1
-        merge_into = (user_ids[-1] if self.system_into_last_user else user_ids[0]) if user_ids else -1
+        merge_into = (
+            (user_ids[-1] if self.system_into_last_user else user_ids[0]) if user_ids else -1
+        )
         if system is not None and self.system:
             pieces.append((self.system.format(content=system), False))
         for index, message in enumerate(turns):
@@ -66,7 +68,9 @@ class NamedTemplate:
                     f"'{self.name}' does not render; use the tokenizer's own template (data.template=auto)."
                 )
             if role == "assistant":
-                pieces.extend(self._reply(message, content, index > last_user, index == len(turns) - 1))
+                pieces.extend(
+                    self._reply(message, content, index > last_user, index == len(turns) - 1)
+                )
                 continue
             if role == "system":  # a system message later in the conversation
                 pieces.append(((self.system or self.user).format(content=content), False))

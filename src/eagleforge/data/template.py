@@ -37,7 +37,8 @@ class Renderer(Protocol):
 def end_of_turn_marker(tokenizer: Any) -> str:
     """The text the template puts right after an assistant reply (whitespace excluded)."""
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], tokenize=False
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
+        tokenize=False,
     )
     return rendered[rendered.rindex(_PROBE) + len(_PROBE) :].rstrip()
 
@@ -85,11 +86,16 @@ class TokenizerTemplate:
         fast = self._render_with_sentinels(messages, text, where)
         return fast if fast is not None else self._render_turn_by_turn(messages, text, where)
 
-    def _render_with_sentinels(self, messages: Conversation, text: str, where: str) -> Rendered | None:
+    def _render_with_sentinels(
+        self, messages: Conversation, text: str, where: str
+    ) -> Rendered | None:
         """One extra render with placeholder replies; None if the template transforms replies."""
-        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].strip()]
+        replies = [
+            i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].strip()
+        ]
         marked = [
-            {**m, "content": _SENTINEL.format(i)} if i in replies else m for i, m in enumerate(messages)
+            {**m, "content": _SENTINEL.format(i)} if i in replies else m
+            for i, m in enumerate(messages)
         ]
         skeleton = self._apply(marked, where)
         rebuilt, spans, cursor = "", [], 0
@@ -100,7 +106,9 @@ class TokenizerTemplate:
                 return None
             rebuilt += skeleton[cursor:at]
             # The reply starts after this turn's generation prompt (after the previous reply).
-            header_at = rebuilt.rfind(self.header, spans[-1][1] if spans else 0) if self.header else -1
+            header_at = (
+                rebuilt.rfind(self.header, spans[-1][1] if spans else 0) if self.header else -1
+            )
             start = header_at + len(self.header) if header_at >= 0 else len(rebuilt)
             rebuilt += messages[i]["content"]
             cursor = at + len(sentinel)
@@ -108,7 +116,9 @@ class TokenizerTemplate:
         rebuilt += skeleton[cursor:]
         if rebuilt != text:
             return None
-        return Rendered(text, [(s, _extend_over_end_marker(text, e, self.eot_marker)) for s, e in spans])
+        return Rendered(
+            text, [(s, _extend_over_end_marker(text, e, self.eot_marker)) for s, e in spans]
+        )
 
     def _render_turn_by_turn(self, messages: Conversation, text: str, where: str) -> Rendered:
         """Slow, general path: locate each reply after its own generation prompt."""
@@ -143,7 +153,9 @@ class PreformattedText:
 
     def __init__(self, reply_start: str, reply_end: str) -> None:
         if not reply_start or not reply_end:
-            raise ConfigError("data.preformatted=true needs a template with reply markers; set data.template.")
+            raise ConfigError(
+                "data.preformatted=true needs a template with reply markers; set data.template."
+            )
         self.reply_start, self.reply_end = reply_start, reply_end
 
     def render(self, text: str, where: str) -> Rendered:  # type: ignore[override]
@@ -163,7 +175,9 @@ class PreformattedText:
 def make_renderer(template: str, tokenizer: Any, preformatted: bool = False) -> Any:
     """The renderer for ``data.template`` (``auto`` = the tokenizer's own)."""
     if template != "auto" and template not in TEMPLATES:
-        raise ConfigError(f"data.template={template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}.")
+        raise ConfigError(
+            f"data.template={template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}."
+        )
     if not preformatted:
         return TokenizerTemplate(tokenizer) if template == "auto" else TEMPLATES[template]
     if template != "auto":
@@ -172,9 +186,7 @@ def make_renderer(template: str, tokenizer: Any, preformatted: bool = False) -> 
     return PreformattedText(own.header, own.eot_marker)
 
 
-def tokenize_rendered(
-    batch: list[Rendered], tokenizer: Any
-) -> list[tuple[list[int], list[int]]]:
+def tokenize_rendered(batch: list[Rendered], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     """Token ids and 0/1 loss mask per rendered conversation (one batched tokenizer call)."""
     flat: list[str] = []
     owners: list[tuple[int, bool]] = []

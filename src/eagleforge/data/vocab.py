@@ -51,7 +51,10 @@ def build_vocab_map(counts_V: torch.Tensor, draft_vocab_size: int) -> VocabMap:
 
 
 def cached_vocab_map(
-    samples: Iterable[tuple[list[int], list[int]]], vocab_size: int, draft_vocab_size: int, cache_file: Path
+    samples: Iterable[tuple[list[int], list[int]]],
+    vocab_size: int,
+    draft_vocab_size: int,
+    cache_file: Path,
 ) -> VocabMap:
     """``build_vocab_map`` of the samples' supervised-token counts, cached in ``cache_file``."""
     if cache_file.exists():

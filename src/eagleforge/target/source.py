@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -194,3 +195,12 @@ def random_llama_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path:
         tokenizer.save_pretrained(out)
 
     return _atomic_build(final, build)
+
+
+def load_tokenizer(cfg: ModelConfig, model_dir: Path | str) -> Any:
+    """The target's tokenizer (its chat template is the default for rendering the data)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        model_dir, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+    )
