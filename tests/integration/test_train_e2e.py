@@ -85,6 +85,9 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
     history = client.get_metric_history(run_.info.run_id, "train/loss")
     assert [m.step for m in history] == [2, 4]
     assert [m.step for m in client.get_metric_history(run_.info.run_id, "eval/acc_0")] == [0, 2, 4]
+    kept = client.get_metric_history(run_.info.run_id, "data/kept")
+    skipped = client.get_metric_history(run_.info.run_id, "data/skipped_no_assistant_turn")
+    assert kept[0].value + skipped[0].value <= 80 and kept[0].value > 0 and skipped[0].value > 0
     artifacts = {a.path for a in client.list_artifacts(run_.info.run_id)}
     assert {"config.yaml", "summary.json"} <= artifacts
 

@@ -336,7 +336,9 @@ def test_tool_calls_raise_data_error(name: str) -> None:
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+            "tool_calls": [
+                {"type": "function", "function": {"name": "weather", "arguments": "{}"}}
+            ],
         },
         {"role": "tool", "content": "Sunny"},
         {"role": "assistant", "content": "Sunny."},
@@ -529,9 +531,7 @@ def test_qwen_tokenizer_masks(name: str) -> None:
     header = tokenizer(["<|im_start|>assistant\n"])["input_ids"][0]
     assert header[0] == 151644
     for run in runs:
-        start = next(
-            i for i in range(len(ids)) if ids[i : i + len(run)] == run and mask[i] == 1
-        )
+        start = next(i for i in range(len(ids)) if ids[i : i + len(run)] == run and mask[i] == 1)
         assert ids[start - len(header) : start] == header
 
 

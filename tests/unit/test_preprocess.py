@@ -58,13 +58,23 @@ BAD_LINES: dict[SkipReason, tuple[bytes, str]] = {
     SkipReason.malformed_row: (b"[1, 2]", "expected a JSON object"),
     SkipReason.unknown_role: (
         json.dumps(
-            {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}
+            {
+                "messages": [
+                    {"role": "wizard", "content": "x"},
+                    {"role": "assistant", "content": "y"},
+                ]
+            }
         ).encode(),
         "unknown role 'wizard'",
     ),
     SkipReason.empty_content: (
         json.dumps(
-            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  "}]}
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "  "},
+                ]
+            }
         ).encode(),
         "empty content",
     ),
@@ -297,7 +307,10 @@ def _sharegpt(tmp_path: Path) -> DataConfig:
     rows = [
         {
             "conversations": [
-                {"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+                {
+                    "from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                    "value": m["content"],
+                }
                 for m in row["messages"]
             ]
         }
@@ -397,7 +410,9 @@ def test_preformatted_train_only_last_turn(smollm2_tokenizer, tmp_path: Path, ca
     reason="PreformattedText.render raises DataError (not RowError) for a row without any reply "
     "marker, so on_error=skip does not skip it: the whole preprocessing stops",
 )
-def test_preformatted_row_without_reply_is_skipped(smollm2_tokenizer, tmp_path: Path, cache: Path) -> None:  # type: ignore[no-untyped-def]
+def test_preformatted_row_without_reply_is_skipped(
+    smollm2_tokenizer, tmp_path: Path, cache: Path
+) -> None:  # type: ignore[no-untyped-def]
     """A preformatted row with no assistant reply is skipped (and counted) under on_error=skip."""
     path = _preformatted_file(smollm2_tokenizer, tmp_path)
     with path.open("a", encoding="utf-8") as f:
@@ -449,7 +464,9 @@ def test_second_call_loads_from_cache(
     report and entry; num_proc is not part of the key."""
     path = tmp_path / "rows.jsonl"
     path.write_bytes(
-        b"\n".join([json.dumps(r).encode() for r in GOOD_ROWS] + [BAD_LINES[SkipReason.invalid_json][0]])
+        b"\n".join(
+            [json.dumps(r).encode() for r in GOOD_ROWS] + [BAD_LINES[SkipReason.invalid_json][0]]
+        )
     )
     cfg = _config(path, on_error=OnError.skip)
     first, first_report, entry = _run(cfg, smollm2_tokenizer, cache)
@@ -459,6 +476,7 @@ def test_second_call_loads_from_cache(
     assert _pairs(second) == _pairs(first) == reference
     assert second_report == first_report
     assert second_report.skipped == {"invalid_json": 1}
+    # num_proc is not part of the key: still served from the cache
     _run(_config(path, on_error=OnError.skip, num_proc=2), smollm2_tokenizer, cache)
 
 
@@ -502,18 +520,15 @@ def test_changing_an_option_rebuilds(
     assert new_entry.parent == entry.parent
 
 
-def test_leftover_tmp_dir_is_not_loaded(
-    smollm2_tokenizer, tmp_path: Path, reference
-) -> None:  # type: ignore[no-untyped-def]
+def test_leftover_tmp_dir_is_not_loaded(smollm2_tokenizer, tmp_path: Path, reference) -> None:  # type: ignore[no-untyped-def]
     """A temporary directory left by a crashed writer (complete-looking, with other data) is never
     read: the entry is built afresh."""
     path = _write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
     _, _, probe = _run(_config(path), smollm2_tokenizer, tmp_path / "probe")
     cache = tmp_path / "cache"
-    leftover = cache / "data" / f".{probe.name}.abc123"
-    dataset_module._save(
-        dataset_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]]), dataset_module.DataReport(rows=1, kept=1), _mkdir(leftover)
-    )
+    leftover = _mkdir(cache / "data" / f".{probe.name}.abc123")
+    bogus = dataset_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]])
+    dataset_module._save(bogus, dataset_module.DataReport(rows=1, kept=1), leftover)
     dataset, report, entry = _run(_config(path), smollm2_tokenizer, cache)
     assert entry.name == probe.name
     assert _pairs(dataset) == reference
@@ -532,9 +547,8 @@ def test_half_written_entry_is_not_loaded(smollm2_tokenizer, tmp_path: Path, ref
     _, _, probe = _run(_config(path), smollm2_tokenizer, tmp_path / "probe")
     cache = tmp_path / "cache"
     half = _mkdir(cache / "data" / probe.name)
-    dataset_module._save(
-        dataset_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]]), dataset_module.DataReport(), half
-    )
+    bogus = dataset_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]])
+    dataset_module._save(bogus, dataset_module.DataReport(rows=1, kept=1), half)
     (half / "report.json").unlink()
     dataset, report, entry = _run(_config(path), smollm2_tokenizer, cache)
     assert entry == half
@@ -563,6 +577,7 @@ def test_half_written_entry_is_replaced(
     assert _pairs(dataset) == reference
 
 
+@pytest.mark.timeout(120)
 def test_num_proc_2_matches_num_proc_1(
     smollm2_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
@@ -585,7 +600,10 @@ def test_num_proc_2_matches_num_proc_1(
     assert sum(results[0][1].skipped.values()) == 5
 
 
-def test_num_proc_2_raises_on_bad_row(smollm2_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.timeout(120)
+def test_num_proc_2_raises_on_bad_row(
+    smollm2_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """With two processes, on_error=raise still names the bad row."""
     monkeypatch.setattr(dataset_module, "CHUNK_ROWS", 2)
     lines = [json.dumps(row).encode() for row in GOOD_ROWS * 2]
@@ -599,7 +617,9 @@ def test_num_proc_2_raises_on_bad_row(smollm2_tokenizer, tmp_path: Path, monkeyp
 # --- build_datasets --------------------------------------------------------------------------
 
 
-def test_build_datasets_holdout_split(smollm2_tokenizer, tmp_path: Path, cache: Path, reference) -> None:  # type: ignore[no-untyped-def]
+def test_build_datasets_holdout_split(
+    smollm2_tokenizer, tmp_path: Path, cache: Path, reference
+) -> None:  # type: ignore[no-untyped-def]
     """num_eval_samples holds out that many rows by a seeded permutation: train and eval are
     disjoint, cover every row, and the same seed gives the same split and cache key."""
     path = _write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
@@ -617,7 +637,9 @@ def test_build_datasets_holdout_split(smollm2_tokenizer, tmp_path: Path, cache: 
     assert vocab_file == cache / "vocab" / f"{prepared.cache_key}-100-10.safetensors"
 
 
-def test_build_datasets_eval_path_and_no_eval(smollm2_tokenizer, tmp_path: Path, cache: Path, reference) -> None:  # type: ignore[no-untyped-def]
+def test_build_datasets_eval_path_and_no_eval(
+    smollm2_tokenizer, tmp_path: Path, cache: Path, reference
+) -> None:  # type: ignore[no-untyped-def]
     """eval_path: eval is that file's rows and train keeps every row; num_eval_samples=0: no eval;
     holding out every row is a ConfigError."""
     train = _write_jsonl(tmp_path / "train.jsonl", GOOD_ROWS)

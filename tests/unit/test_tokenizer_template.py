@@ -140,11 +140,16 @@ class FakeChatML:
 
     chat_template = "fake"
 
-    def __init__(self, trim: bool = False, think: bool = False, echo: bool = False, upper: bool = False) -> None:
+    def __init__(
+        self, trim: bool = False, think: bool = False, echo: bool = False, upper: bool = False
+    ) -> None:
         self.trim, self.think, self.echo, self.upper = trim, think, echo, upper
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tokenize: bool = False, add_generation_prompt: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
     ) -> str:
         assert tokenize is False
         out = ""
@@ -286,7 +291,9 @@ def test_unknown_template_name(smollm2_tokenizer) -> None:  # type: ignore[no-un
 def test_tokenize_rendered_empty_and_unsupervised(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
     """tokenize_rendered: an empty batch gives []; a Rendered with no spans is all zeros."""
     assert tokenize_rendered([], smollm2_tokenizer) == []
-    [(ids, mask)] = tokenize_rendered([Rendered("<|im_start|>user\nHi<|im_end|>\n", [])], smollm2_tokenizer)
+    [(ids, mask)] = tokenize_rendered(
+        [Rendered("<|im_start|>user\nHi<|im_end|>\n", [])], smollm2_tokenizer
+    )
     assert len(ids) == len(mask) > 0
     assert set(mask) == {0}
 
