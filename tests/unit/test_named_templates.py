@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagleforge.data.named_templates import TEMPLATES, Reasoning
+from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
 from eagleforge.data.template import PreformattedText, tokenize_rendered
 from eagleforge.errors import ConfigError, DataError
@@ -82,7 +82,7 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
         "<｜User｜>2+2?<｜Assistant｜><think>\nAdd them.\n</think>\n\n4<｜end▁of▁sentence｜>",
         [
             "Hello!<｜end▁of▁sentence｜>",
-            "<think>\nAdd them.\n</think>\n\n4<｜end▁of▁sentence｜>",
+            "Add them.\n</think>\n\n4<｜end▁of▁sentence｜>",
         ],
     ),
     "deepseek-v3": (
@@ -214,6 +214,13 @@ TOOL_REPLIES = {
         ("kimi-k2", "", "<|im_end|>", "<|im_end|>"),
     ]
 }
+# Both replies follow the last user turn: qwen3 gives the final one an (empty) think block,
+# deepseek-r1-distill closes the think block its generation prompt opened in both.
+TOOL_REPLIES["qwen3"][1] = "<think>\n\n</think>\n\nIt is sunny.<|im_end|>"
+TOOL_REPLIES["deepseek-r1-distill"] = [
+    "\n</think>\n\nLet me check.<｜end▁of▁sentence｜>",
+    "\n</think>\n\nIt is sunny.<｜end▁of▁sentence｜>",
+]
 
 NAMES = sorted(TEMPLATES)
 EOT = "<|im_end|>"
@@ -396,9 +403,9 @@ def test_preformatted_qwen3_instruct_supervises_empty_think_block() -> None:
 
 def test_preformatted_mistral_has_no_reply_start_marker() -> None:
     """mistral's generation prompt is empty, so it cannot find replies in preformatted text."""
-    assert TEMPLATES["mistral"].preformatted_markers() == ("", "</s>")
-    with pytest.raises(ConfigError, match="reply markers"):
-        PreformattedText(*TEMPLATES["mistral"].preformatted_markers())
+    assert TEMPLATES["mistral"].preformatted_markers() == (("",), ("</s>",))
+    with pytest.raises(ConfigError, match="no marker where replies start"):
+        PreformattedText(*TEMPLATES["mistral"].preformatted_markers(), "mistral")
 
 
 def test_preformatted_gpt_oss_single_turn() -> None:
@@ -409,11 +416,6 @@ def test_preformatted_gpt_oss_single_turn() -> None:
     assert recovered == rendered
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gpt-oss preformatted_markers() ends replies at <|return|> only: in a multi-turn "
-    "conversation the first reply's span runs to the end of the text, supervising user turns",
-)
 def test_preformatted_gpt_oss_multi_turn() -> None:
     """gpt-oss, two replies: the user turn between them must not be supervised."""
     template = TEMPLATES["gpt-oss"]
@@ -423,28 +425,51 @@ def test_preformatted_gpt_oss_multi_turn() -> None:
     assert recovered == rendered
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek-r1-distill"])
-def test_think_last_drops_reasoning_from_history(name: str) -> None:
-    """think_last: reasoning before the last user turn is dropped; after it, kept and supervised;
-    a last reply without reasoning gets no think block."""
-    messages = [
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4"},
-    ]
-    assert TEMPLATES[name].reasoning == Reasoning.think_last
-    rendered = TEMPLATES[name].render(messages)
+THINK_MESSAGES = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def test_qwen3_reasoning_rules() -> None:
+    """qwen3: reasoning before the last user turn is dropped; the final reply always gets a
+    supervised think block (empty without reasoning), as Qwen3's own template renders it."""
+    template = TEMPLATES["qwen3"]
+    rendered = template.render(THINK_MESSAGES)
     assert "Greet back." not in rendered.text
-    assert "<think>" not in rendered.text
-    messages[-1]["reasoning_content"] = "  Add them.\n"
-    rendered = TEMPLATES[name].render(messages)
-    assert _supervised(rendered)[1].startswith("<think>\nAdd them.\n</think>\n\n4")
+    assert _supervised(rendered) == ["Hello!<|im_end|>", "<think>\n\n</think>\n\n4<|im_end|>"]
+    with_reasoning = [
+        *THINK_MESSAGES[:-1],
+        {**THINK_MESSAGES[-1], "reasoning_content": "  Add them.\n"},
+    ]
+    assert (
+        _supervised(template.render(with_reasoning))[1]
+        == "<think>\nAdd them.\n</think>\n\n4<|im_end|>"
+    )
+
+
+def test_deepseek_r1_reasoning_rules() -> None:
+    """deepseek-r1-distill: history reasoning dropped; after the last user turn the prompt opens
+    the think block ("<think>\\n", unsupervised) and the reply closes it (supervised)."""
+    template = TEMPLATES["deepseek-r1-distill"]
+    with_reasoning = [
+        *THINK_MESSAGES[:-1],
+        {**THINK_MESSAGES[-1], "reasoning_content": "Add them."},
+    ]
+    rendered = template.render(with_reasoning)
+    assert "Greet back." not in rendered.text
+    assert rendered.text.endswith(
+        "<｜Assistant｜><think>\nAdd them.\n</think>\n\n4<｜end▁of▁sentence｜>"
+    )
+    assert _supervised(rendered)[1] == "Add them.\n</think>\n\n4<｜end▁of▁sentence｜>"
+    assert _supervised(template.render(THINK_MESSAGES))[1] == "\n</think>\n\n4<｜end▁of▁sentence｜>"
 
 
 def test_later_system_message_and_stripping() -> None:
-    """A system message after the first turn renders as a system block; message contents are
-    stripped (chatml)."""
+    """A system message after the first turn renders as a system block; chatml keeps message
+    contents verbatim (like SmolLM2's and Qwen's templates), llama3 trims them."""
     messages = [
         {"role": "user", "content": "  Hi \n"},
         {"role": "system", "content": "Now be verbose."},
@@ -452,11 +477,14 @@ def test_later_system_message_and_stripping() -> None:
     ]
     rendered = TEMPLATES["chatml"].render(messages)
     assert rendered.text == (
-        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>user\n  Hi \n<|im_end|>\n"
         "<|im_start|>system\nNow be verbose.<|im_end|>\n"
-        "<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>assistant\n\n Hello! <|im_end|>\n"
     )
-    assert _supervised(rendered) == ["Hello!<|im_end|>"]
+    assert _supervised(rendered) == ["\n Hello! <|im_end|>"]
+    llama = TEMPLATES["llama3"].render(messages)
+    assert "user<|end_header_id|>\n\nHi<|eot_id|>" in llama.text
+    assert _supervised(llama) == ["Hello!<|eot_id|>"]
 
 
 # --- cross-checks with real tokenizers ------------------------------------------------------

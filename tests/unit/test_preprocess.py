@@ -334,12 +334,6 @@ def test_every_source_kind_gives_the_same_rows(
     assert (report.rows, report.kept, report.skipped) == (3, 3, {})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="format=auto detects per row by the presence of the 'conversations' key; a parquet/HF "
-    "table mixing ShareGPT and OpenAI rows has both columns (None where absent), so OpenAI rows "
-    "are read as ShareGPT and rejected as malformed",
-)
 def test_parquet_mixing_formats(smollm2_tokenizer, tmp_path: Path, cache: Path) -> None:  # type: ignore[no-untyped-def]
     """A parquet file mixing ShareGPT and OpenAI rows reads like the same rows in .jsonl."""
     import pyarrow as pa
@@ -350,7 +344,9 @@ def test_parquet_mixing_formats(smollm2_tokenizer, tmp_path: Path, cache: Path) 
         {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
     ]
     path = tmp_path / "rows.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    # from_pylist infers the schema from the first row alone: give it both columns.
+    schema = pa.unify_schemas([pa.Table.from_pylist([row]).schema for row in rows])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     dataset, _, _ = _run(_config(path, on_error=OnError.skip), smollm2_tokenizer, cache)
     assert _pairs(dataset) == _reference(smollm2_tokenizer, rows)
 
@@ -387,11 +383,6 @@ def test_preformatted_bad_rows_are_counted(smollm2_tokenizer, tmp_path: Path, ca
     assert report.kept == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_render_row returns a preformatted row's Rendered before applying "
-    "train_only_last_turn, so preformatted=true ignores data.train_only_last_turn",
-)
 def test_preformatted_train_only_last_turn(smollm2_tokenizer, tmp_path: Path, cache: Path) -> None:  # type: ignore[no-untyped-def]
     """train_only_last_turn applies to preformatted rows as to messages rows."""
     messages_path = _write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS)
@@ -405,11 +396,6 @@ def test_preformatted_train_only_last_turn(smollm2_tokenizer, tmp_path: Path, ca
     assert _pairs(got) == _pairs(expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PreformattedText.render raises DataError (not RowError) for a row without any reply "
-    "marker, so on_error=skip does not skip it: the whole preprocessing stops",
-)
 def test_preformatted_row_without_reply_is_skipped(
     smollm2_tokenizer, tmp_path: Path, cache: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -556,12 +542,6 @@ def test_half_written_entry_is_not_loaded(smollm2_tokenizer, tmp_path: Path, ref
     assert report.kept == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="write_atomically swallows the rename error when the entry directory already exists, "
-    "so a half-written entry (no report.json) is never replaced and the source is re-preprocessed "
-    "on every run",
-)
 def test_half_written_entry_is_replaced(
     smollm2_tokenizer, tmp_path: Path, reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]

@@ -229,7 +229,10 @@ def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
             f"expected a JSON object per conversation, got {type(row).__name__}.",
         )
     if fmt in (DataFormat.auto, DataFormat.chitchat):
-        fmt = DataFormat.sharegpt if "conversations" in row else DataFormat.openai
+        # Tables (parquet, HF datasets) hold both columns when formats mix: look at the values.
+        fmt = (
+            DataFormat.sharegpt if isinstance(row.get("conversations"), list) else DataFormat.openai
+        )
     key, role_key, content_key = (
         ("conversations", "from", "value")
         if fmt == DataFormat.sharegpt

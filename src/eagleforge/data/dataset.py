@@ -185,14 +185,15 @@ def _init_worker(renderer: Any, tokenizer: Any, settings: _Settings) -> None:
 def _render_row(where: str, row: Any, renderer: Any, settings: _Settings) -> Rendered:
     if isinstance(row, RowError):
         raise row
+    rendered: Rendered
     if settings.preformatted:
-        return renderer.render(preformatted_text(row, where), where)  # type: ignore[no-any-return]
-    try:
-        rendered: Rendered = renderer.render(normalise_row(row, settings.fmt, where), where)
-    except DataError as e:  # the template rejected the conversation
-        raise RowError(
-            SkipReason.template_error, where, str(e).removeprefix(f"{where}: ")
-        ) from None
+        rendered = renderer.render(preformatted_text(row, where), where)
+    else:
+        try:
+            rendered = renderer.render(normalise_row(row, settings.fmt, where), where)
+        except DataError as e:  # the template rejected the conversation
+            detail = str(e).removeprefix(f"{where}: ")
+            raise RowError(SkipReason.template_error, where, detail) from None
     return rendered.last_turn_only() if settings.train_only_last_turn else rendered
 
 
@@ -335,17 +336,23 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def write_atomically(final: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp_dir)`` then rename it to ``final``; concurrent writers leave one complete entry."""
+def write_atomically(final: Path, write: Callable[[Path], None], complete_marker: str) -> None:
+    """``write(tmp_dir)`` then rename it to ``final``; concurrent writers leave one complete entry.
+
+    An existing ``final`` without ``complete_marker`` (left half-written by something else) is
+    replaced.
+    """
     final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not (final / complete_marker).exists():
+        shutil.rmtree(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         write(tmp)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
-        except OSError:
-            if not final.exists():
+        except OSError:  # another writer finished first
+            if not (final / complete_marker).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -405,7 +412,7 @@ def preprocess_source(
         raise DataError(
             f"{', '.join(map(str, files))}: no usable conversation ({report.summary()})."
         )
-    write_atomically(entry, lambda out: _save(dataset, report, out))
+    write_atomically(entry, lambda out: _save(dataset, report, out), complete_marker="report.json")
     return dataset, report, entry
 
 

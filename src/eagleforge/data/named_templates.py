@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from eagleforge.data.conversations import Conversation, Message
 from eagleforge.data.rendered import Rendered
@@ -27,6 +28,7 @@ from eagleforge.errors import DataError
 class Reasoning(str, Enum):
     drop = "drop"
     think_last = "think_last"  # <think> block before replies after the last user turn
+    think_last_prompted = "think_last_prompted"  # the same, with "<think>\n" in the prompt
     empty_think_last = "empty_think_last"  # empty <think> block in the prompt of those turns
     harmony = "harmony"  # gpt-oss analysis channel
 
@@ -49,6 +51,7 @@ class NamedTemplate:
     last_end_of_turn: str | None = None  # the final reply's marker, when it differs (harmony)
     preamble: str = ""  # fixed prompt text after bos (harmony's system message)
     reply_prefix: str = ""  # generated text before every reply (mistral's space)
+    strip: bool = False  # the template trims message content (Llama 3, Gemma, Mistral)
 
     def render(self, messages: Conversation, where: str = "<conversation>") -> Rendered:
         pieces: list[tuple[str, bool]] = [(self.bos + self.preamble, False)]
@@ -61,7 +64,8 @@ class NamedTemplate:
         if system is not None and self.system:
             pieces.append((self.system.format(content=system), False))
         for index, message in enumerate(turns):
-            role, content = message["role"], message["content"].strip()
+            role, content = message["role"], message["content"]
+            content = content.strip() if self.strip else content
             if message.get("tool_calls"):
                 raise DataError(
                     f"{where}: turn {index} has tool calls, which the named template "
@@ -87,8 +91,13 @@ class NamedTemplate:
         header, reply = self.assistant_header, self.reply_prefix + content
         reasoning = (message.get("reasoning_content") or "").strip()
         end = self.last_end_of_turn if is_last and self.last_end_of_turn else self.end_of_turn
-        if self.reasoning == Reasoning.think_last and after_last_user and reasoning:
+        if self.reasoning == Reasoning.think_last and after_last_user and (reasoning or is_last):
+            # Qwen3 gives the final reply a think block even when it is empty.
             reply = f"<think>\n{reasoning}\n</think>\n\n{content}"
+        elif self.reasoning == Reasoning.think_last_prompted and after_last_user:
+            # DeepSeek-R1's generation prompt already opens the think block.
+            header += "<think>\n"
+            reply = f"{reasoning}\n</think>\n\n{content}"
         elif self.reasoning == Reasoning.empty_think_last and after_last_user:
             header += "<think>\n\n</think>\n\n"
         elif self.reasoning == Reasoning.harmony:
@@ -97,9 +106,15 @@ class NamedTemplate:
                 reply = f"<|channel|>analysis<|message|>{reasoning}<|end|>{header}{reply}"
         return [(header, False), (reply + end, True), (self.after_turn, False)]
 
-    def preformatted_markers(self) -> tuple[str, str]:
-        """(reply start, reply end) markers for finding replies in already-templated text."""
-        return self.assistant_header, self.last_end_of_turn or self.end_of_turn
+    def preformatted_markers(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(reply start markers, reply end markers) for finding replies in templated text."""
+        starts: tuple[str, ...] = (self.assistant_header,)
+        if self.reasoning == Reasoning.think_last_prompted:
+            starts = (self.assistant_header + "<think>\n", self.assistant_header)
+        ends: tuple[str, ...] = (self.end_of_turn,)
+        if self.last_end_of_turn:
+            ends = (self.end_of_turn, self.last_end_of_turn)
+        return starts, ends
 
 
 def _split_system(messages: Conversation, default: str | None) -> tuple[str | None, Conversation]:
@@ -108,7 +123,7 @@ def _split_system(messages: Conversation, default: str | None) -> tuple[str | No
     return default, list(messages)
 
 
-_CHATML = dict(
+_CHATML: dict[str, Any] = dict(
     system="<|im_start|>system\n{content}<|im_end|>\n",
     user="<|im_start|>user\n{content}<|im_end|>\n",
     tool="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
@@ -116,7 +131,7 @@ _CHATML = dict(
     end_of_turn="<|im_end|>",
     after_turn="\n",
 )
-_DEEPSEEK = dict(
+_DEEPSEEK: dict[str, Any] = dict(
     bos="<｜begin▁of▁sentence｜>",
     system="{content}",
     user="<｜User｜>{content}",
@@ -141,17 +156,20 @@ TEMPLATES: dict[str, NamedTemplate] = {
             tool="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>",
             assistant_header="<|start_header_id|>assistant<|end_header_id|>\n\n",
             end_of_turn="<|eot_id|>",
+            strip=True,
         ),
-        NamedTemplate(name="chatml", **_CHATML),  # type: ignore[arg-type]
+        NamedTemplate(name="chatml", **_CHATML),
         NamedTemplate(
             name="qwen2.5",
             default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
-            **_CHATML,  # type: ignore[arg-type]
+            **_CHATML,
         ),
-        NamedTemplate(name="qwen3", reasoning=Reasoning.think_last, **_CHATML),  # type: ignore[arg-type]
-        NamedTemplate(name="qwen3-instruct", reasoning=Reasoning.empty_think_last, **_CHATML),  # type: ignore[arg-type]
-        NamedTemplate(name="deepseek-r1-distill", reasoning=Reasoning.think_last, **_DEEPSEEK),  # type: ignore[arg-type]
-        NamedTemplate(name="deepseek-v3", **_DEEPSEEK),  # type: ignore[arg-type]
+        NamedTemplate(name="qwen3", reasoning=Reasoning.think_last, **_CHATML),
+        NamedTemplate(name="qwen3-instruct", reasoning=Reasoning.empty_think_last, **_CHATML),
+        NamedTemplate(
+            name="deepseek-r1-distill", reasoning=Reasoning.think_last_prompted, **_DEEPSEEK
+        ),
+        NamedTemplate(name="deepseek-v3", **_DEEPSEEK),
         NamedTemplate(
             name="phi3",
             system="<|system|>\n{content}<|end|>\n",
@@ -174,6 +192,7 @@ TEMPLATES: dict[str, NamedTemplate] = {
             assistant_header="<start_of_turn>model\n",
             end_of_turn="<end_of_turn>",
             after_turn="\n",
+            strip=True,
         ),
         NamedTemplate(
             name="mistral",
@@ -184,6 +203,7 @@ TEMPLATES: dict[str, NamedTemplate] = {
             reply_prefix=" ",
             end_of_turn="</s>",
             system_into_last_user=True,
+            strip=True,
         ),
         NamedTemplate(
             name="gpt-oss",

@@ -16,14 +16,16 @@ tokenized and the reply generated token by token, no BPE merge crosses the bound
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
-from eagleforge.data.conversations import Conversation
+from eagleforge.data.conversations import Conversation, RowError, SkipReason
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
 from eagleforge.errors import ConfigError, DataError
 
 _PROBE = "EAGLEFORGE_PROBE_REPLY"
+_PROBE_USER = "EAGLEFORGE_PROBE_USER"
 # Private-use code points: never produced by real text, survive any Jinja filter but trim.
 _SENTINEL = "\ue000{}\ue001"
 
@@ -35,20 +37,35 @@ class Renderer(Protocol):
 
 
 def end_of_turn_marker(tokenizer: Any) -> str:
-    """The text the template puts right after an assistant reply (whitespace excluded)."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
-        tokenize=False,
-    )
-    return rendered[rendered.rindex(_PROBE) + len(_PROBE) :].rstrip()
+    """The marker the template puts right after an assistant reply, e.g. ``<|im_end|>``.
+
+    Probed with the reply last and with a turn after it, so text that only closes the whole
+    conversation (Phi-3's ``<|endoftext|>``) is not taken for the marker; leading whitespace
+    (Llama 2's `` </s>``) is left out, as replies are matched up to the marker over whitespace.
+    """
+    user = {"role": "user", "content": _PROBE_USER}
+    reply = {"role": "assistant", "content": _PROBE}
+    tails = []
+    for messages in ([user, reply], [user, reply, user]):
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        at = rendered.index(_PROBE) + len(_PROBE)
+        tails.append(rendered[at:])
+    common = os.path.commonprefix(tails).strip()
+    return common.split(maxsplit=1)[0] if common else ""
 
 
 def generation_prompt(tokenizer: Any) -> str:
-    """What ``add_generation_prompt`` appends after a user turn, e.g. ``<|im_start|>assistant\\n``."""
-    user = [{"role": "user", "content": "hi"}]
+    """What ``add_generation_prompt`` adds after a user turn, e.g. ``<|im_start|>assistant\\n``."""
+    user = [{"role": "user", "content": _PROBE_USER}]
     plain = tokenizer.apply_chat_template(user, tokenize=False)
     prompted = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    return prompted[len(plain) :] if prompted.startswith(plain) else ""
+    if prompted.startswith(plain):
+        return str(prompted[len(plain) :])
+    # The plain rendering closes the conversation (e.g. with eos): the header is what follows
+    # the user turn's own end marker in the prompted rendering.
+    after_user = prompted.rindex(_PROBE_USER) + len(_PROBE_USER)
+    end = _extend_over_end_marker(prompted, after_user, end_of_turn_marker(tokenizer))
+    return str(prompted[end:].lstrip())
 
 
 def _extend_over_end_marker(text: str, end: int, eot_marker: str) -> int:
@@ -98,7 +115,8 @@ class TokenizerTemplate:
             for i, m in enumerate(messages)
         ]
         skeleton = self._apply(marked, where)
-        rebuilt, spans, cursor = "", [], 0
+        rebuilt, cursor = "", 0
+        spans: list[tuple[int, int]] = []
         for i in replies:
             sentinel = _SENTINEL.format(i)
             at = skeleton.find(sentinel, cursor)
@@ -147,28 +165,59 @@ class TokenizerTemplate:
 
 
 class PreformattedText:
-    """Rows whose ``text`` already has the chat template applied."""
+    """Rows whose ``text`` already has the chat template applied.
+
+    A reply starts after a reply-start marker (the generation prompt; the longest one where
+    several match) and ends after the nearest end marker -- continued while another assistant
+    message follows right away, as harmony's final message follows its analysis message.
+    """
 
     name = "preformatted"
 
-    def __init__(self, reply_start: str, reply_end: str) -> None:
-        if not reply_start or not reply_end:
+    def __init__(
+        self, reply_starts: tuple[str, ...], reply_ends: tuple[str, ...], template: str = "auto"
+    ) -> None:
+        if not all(reply_starts) or not all(reply_ends):
             raise ConfigError(
-                "data.preformatted=true needs a template with reply markers; set data.template."
+                f"data.preformatted=true: template '{template}' has no marker where replies start; "
+                "pass conversations (data.preformatted=false) instead."
             )
-        self.reply_start, self.reply_end = reply_start, reply_end
+        self.reply_starts = tuple(sorted(reply_starts, key=len, reverse=True))
+        self.reply_ends = reply_ends
+
+    def _next_start(self, text: str, cursor: int) -> tuple[int, str] | None:
+        found = [(at, -len(m), m) for m in self.reply_starts if (at := text.find(m, cursor)) >= 0]
+        if not found:
+            return None
+        at, _, marker = min(found)
+        return at, marker
+
+    def _reply_end(self, text: str, start: int) -> int:
+        while True:
+            found = [(at, m) for m in self.reply_ends if (at := text.find(m, start)) >= 0]
+            if not found:
+                return len(text)
+            at, marker = min(found)
+            end = at + len(marker)
+            following = self._next_start(text, end)
+            if following is None or following[0] != end:
+                return end
+            start = end + len(following[1])
 
     def render(self, text: str, where: str) -> Rendered:  # type: ignore[override]
         spans, cursor = [], 0
-        while (at := text.find(self.reply_start, cursor)) >= 0:
-            start = at + len(self.reply_start)
-            end_at = text.find(self.reply_end, start)
-            end = len(text) if end_at < 0 else end_at + len(self.reply_end)
+        while (found := self._next_start(text, cursor)) is not None:
+            start = found[0] + len(found[1])
+            end = self._reply_end(text, start)
             if end > start:
                 spans.append((start, end))
             cursor = end
         if not spans:
-            raise DataError(f"{where}: no assistant reply found (looked for {self.reply_start!r}).")
+            raise RowError(
+                SkipReason.no_assistant_turn,
+                where,
+                f"no assistant reply found (looked for {' or '.join(map(repr, self.reply_starts))}).",
+            )
         return Rendered(text, spans)
 
 
@@ -181,9 +230,9 @@ def make_renderer(template: str, tokenizer: Any, preformatted: bool = False) -> 
     if not preformatted:
         return TokenizerTemplate(tokenizer) if template == "auto" else TEMPLATES[template]
     if template != "auto":
-        return PreformattedText(*TEMPLATES[template].preformatted_markers())
+        return PreformattedText(*TEMPLATES[template].preformatted_markers(), template)
     own = TokenizerTemplate(tokenizer)
-    return PreformattedText(own.header, own.eot_marker)
+    return PreformattedText((own.header,), (own.eot_marker,), "auto")
 
 
 def tokenize_rendered(batch: list[Rendered], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
