@@ -8,9 +8,9 @@ marker. Reasoning (``reasoning_content``) follows each template's own rule:
 | template | reasoning rule |
 |---|---|
 | llama3, chatml, qwen2.5, deepseek-v3, phi3, phi4, gemma, mistral, kimi-k2 | dropped |
-| qwen3 (thinking) | ``<think>\\n…\\n</think>\\n\\n`` before the reply, supervised, only in turns after the last user message; dropped from earlier turns |
+| qwen3 (thinking) | ``<think>\\n…\\n</think>\\n\\n`` before the reply, supervised, in turns after the last user message (always on the final reply, empty without reasoning); dropped from earlier turns |
 | qwen3-instruct | never rendered; turns after the last user message get the empty block ``<think>\\n\\n</think>\\n\\n`` as part of the prompt (as with ``enable_thinking=False``) |
-| deepseek-r1-distill | like qwen3: kept (supervised) after the last user message, dropped from history |
+| deepseek-r1-distill | after the last user message the prompt ends with ``<think>\\n`` and the supervised reply is ``…\\n</think>\\n\\n<answer>``; dropped from history |
 | gpt-oss (harmony) | an ``analysis`` channel message before the ``final`` one, supervised, only after the last user message |
 """
 
