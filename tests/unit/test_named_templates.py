@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from mask_helpers import decode, supervised_runs, supervised_text
 
 from eagleforge.data.named_templates import TEMPLATES
-from eagleforge.data.rendered import Rendered
 from eagleforge.data.template import PreformattedText, tokenize_rendered
 from eagleforge.errors import ConfigError, DataError
 
@@ -226,27 +226,6 @@ NAMES = sorted(TEMPLATES)
 EOT = "<|im_end|>"
 
 
-def _supervised(rendered: Rendered) -> list[str]:
-    return [rendered.text[s:e] for s, e in rendered.spans]
-
-
-def _decode(tokenizer, ids: list[int]) -> str:  # type: ignore[no-untyped-def]
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
-    """Contiguous runs of supervised token ids."""
-    runs: list[list[int]] = []
-    previous = 0
-    for token, flag in zip(ids, mask, strict=True):
-        if flag and not previous:
-            runs.append([])
-        if flag:
-            runs[-1].append(token)
-        previous = flag
-    return runs
-
-
 def test_every_template_has_a_reference() -> None:
     """The references cover exactly the registered templates (a new template needs one)."""
     assert set(EXPECTED) == set(TEMPLATES)
@@ -261,7 +240,7 @@ def test_render_matches_reference(name: str) -> None:
     text, replies = EXPECTED[name]
     rendered = TEMPLATES[name].render(CONV)
     assert rendered.text == text
-    assert _supervised(rendered) == replies
+    assert supervised_text(rendered) == replies
     assert all(0 <= s < e <= len(text) for s, e in rendered.spans)
     assert rendered.spans == sorted(rendered.spans)
     assert "".join(piece for piece, _ in rendered.segments()) == text
@@ -283,9 +262,11 @@ def test_supervised_tokens_decode_to_replies(smollm2_tokenizer, name: str) -> No
     [(ids, mask)] = tokenize_rendered([rendered], smollm2_tokenizer)
     assert len(ids) == len(mask)
     assert mask[0] == 0
-    assert _decode(smollm2_tokenizer, ids) == rendered.text
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == EXPECTED[name][1]
-    unsupervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
+    assert decode(smollm2_tokenizer, ids) == rendered.text
+    assert [decode(smollm2_tokenizer, run) for run in supervised_runs(ids, mask)] == EXPECTED[name][
+        1
+    ]
+    unsupervised = decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
     for message in CONV:
         if message["role"] != "assistant":
             assert message["content"] in unsupervised
@@ -298,10 +279,10 @@ def test_no_system_message(name: str) -> None:
     template = TEMPLATES[name]
     rendered = template.render(CONV[1:])
     assert "Be brief." not in rendered.text
-    assert _supervised(rendered) == EXPECTED[name][1]
+    assert supervised_text(rendered) == EXPECTED[name][1]
     if name in EXPECTED_DEFAULT_SYSTEM:
         assert rendered.text == EXPECTED_DEFAULT_SYSTEM[name]
-        assert not any(template.default_system in part for part in _supervised(rendered))
+        assert not any(template.default_system in part for part in supervised_text(rendered))
     else:
         assert template.default_system is None
 
@@ -330,8 +311,8 @@ def test_tool_message(name: str) -> None:
     at = rendered.text.index(block)
     (s1, e1), (s2, _) = rendered.spans
     assert e1 <= at and at + len(block) <= s2
-    assert _supervised(rendered) == TOOL_REPLIES[name]
-    assert not any("Sunny" in part for part in _supervised(rendered))
+    assert supervised_text(rendered) == TOOL_REPLIES[name]
+    assert not any("Sunny" in part for part in supervised_text(rendered))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -367,10 +348,12 @@ def test_train_only_last_turn(smollm2_tokenizer, name: str) -> None:  # type: ig
     last = rendered.last_turn_only()
     assert last.text == rendered.text
     assert last.spans == rendered.spans[-1:]
-    assert _supervised(last) == EXPECTED[name][1][-1:]
+    assert supervised_text(last) == EXPECTED[name][1][-1:]
     [(ids_all, mask_all), (ids, mask)] = tokenize_rendered([rendered, last], smollm2_tokenizer)
-    assert _decode(smollm2_tokenizer, ids) == rendered.text
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == EXPECTED[name][1][-1:]
+    assert decode(smollm2_tokenizer, ids) == rendered.text
+    assert [decode(smollm2_tokenizer, run) for run in supervised_runs(ids, mask)] == EXPECTED[name][
+        1
+    ][-1:]
     tail = len(ids_all) - max(i for i in range(1, len(mask_all)) if mask_all[i] > mask_all[i - 1])
     assert ids[-tail:] == ids_all[-tail:]
     assert mask[-tail:] == mask_all[-tail:]
@@ -398,7 +381,7 @@ def test_preformatted_qwen3_instruct_supervises_empty_think_block() -> None:
     template = TEMPLATES["qwen3-instruct"]
     rendered = template.render(CONV)
     recovered = PreformattedText(*template.preformatted_markers()).render(rendered.text, "x")
-    assert _supervised(recovered) == ["Hello!<|im_end|>", "<think>\n\n</think>\n\n4<|im_end|>"]
+    assert supervised_text(recovered) == ["Hello!<|im_end|>", "<think>\n\n</think>\n\n4<|im_end|>"]
 
 
 def test_preformatted_mistral_has_no_reply_start_marker() -> None:
@@ -421,7 +404,7 @@ def test_preformatted_gpt_oss_multi_turn() -> None:
     template = TEMPLATES["gpt-oss"]
     rendered = template.render(CONV)
     recovered = PreformattedText(*template.preformatted_markers()).render(rendered.text, "x")
-    assert not any("2+2?" in part for part in _supervised(recovered))
+    assert not any("2+2?" in part for part in supervised_text(recovered))
     assert recovered == rendered
 
 
@@ -439,13 +422,13 @@ def test_qwen3_reasoning_rules() -> None:
     template = TEMPLATES["qwen3"]
     rendered = template.render(THINK_MESSAGES)
     assert "Greet back." not in rendered.text
-    assert _supervised(rendered) == ["Hello!<|im_end|>", "<think>\n\n</think>\n\n4<|im_end|>"]
+    assert supervised_text(rendered) == ["Hello!<|im_end|>", "<think>\n\n</think>\n\n4<|im_end|>"]
     with_reasoning = [
         *THINK_MESSAGES[:-1],
         {**THINK_MESSAGES[-1], "reasoning_content": "  Add them.\n"},
     ]
     assert (
-        _supervised(template.render(with_reasoning))[1]
+        supervised_text(template.render(with_reasoning))[1]
         == "<think>\nAdd them.\n</think>\n\n4<|im_end|>"
     )
 
@@ -463,8 +446,11 @@ def test_deepseek_r1_reasoning_rules() -> None:
     assert rendered.text.endswith(
         "<｜Assistant｜><think>\nAdd them.\n</think>\n\n4<｜end▁of▁sentence｜>"
     )
-    assert _supervised(rendered)[1] == "Add them.\n</think>\n\n4<｜end▁of▁sentence｜>"
-    assert _supervised(template.render(THINK_MESSAGES))[1] == "\n</think>\n\n4<｜end▁of▁sentence｜>"
+    assert supervised_text(rendered)[1] == "Add them.\n</think>\n\n4<｜end▁of▁sentence｜>"
+    assert (
+        supervised_text(template.render(THINK_MESSAGES))[1]
+        == "\n</think>\n\n4<｜end▁of▁sentence｜>"
+    )
 
 
 def test_later_system_message_and_stripping() -> None:
@@ -481,10 +467,10 @@ def test_later_system_message_and_stripping() -> None:
         "<|im_start|>system\nNow be verbose.<|im_end|>\n"
         "<|im_start|>assistant\n\n Hello! <|im_end|>\n"
     )
-    assert _supervised(rendered) == ["\n Hello! <|im_end|>"]
+    assert supervised_text(rendered) == ["\n Hello! <|im_end|>"]
     llama = TEMPLATES["llama3"].render(messages)
     assert "user<|end_header_id|>\n\nHi<|eot_id|>" in llama.text
-    assert _supervised(llama) == ["Hello!<|eot_id|>"]
+    assert supervised_text(llama) == ["Hello!<|eot_id|>"]
 
 
 # --- cross-checks with real tokenizers ------------------------------------------------------
@@ -552,7 +538,7 @@ def test_qwen_tokenizer_masks(name: str) -> None:
     assert ids.count(151644) == rendered.text.count("<|im_start|>") == 5
     assert ids.count(151645) == rendered.text.count("<|im_end|>") == 5
     assert all(m == 0 for t, m in zip(ids, mask, strict=True) if t == 151644)
-    runs = _runs(ids, mask)
+    runs = supervised_runs(ids, mask)
     assert [tokenizer.decode(run) for run in runs] == EXPECTED[name][1]
     assert all(run[-1] == 151645 and run.count(151645) == 1 for run in runs)
     # the reply tokens are what the model generates after "<|im_start|>assistant\n"
@@ -610,4 +596,4 @@ def test_mistral_matches_mistral_common_v3(conv) -> None:  # type: ignore[no-unt
     ours = TEMPLATES["mistral"].render(conv)
     assert ours.text == theirs
     assert replies == [" Hello!", " 4"]
-    assert _supervised(ours) == [reply + "</s>" for reply in replies]
+    assert supervised_text(ours) == [reply + "</s>" for reply in replies]

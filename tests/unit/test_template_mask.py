@@ -5,6 +5,7 @@ everything else (system, user, role headers) is unsupervised."""
 from __future__ import annotations
 
 import pytest
+from mask_helpers import decode, supervised_runs
 
 from eagleforge.data.template import TokenizerTemplate, end_of_turn_marker, tokenize_rendered
 
@@ -44,23 +45,6 @@ BOUNDARY = [
 ]
 
 
-def _decode(tokenizer, ids: list[int]) -> str:  # type: ignore[no-untyped-def]
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
-    """Contiguous runs of supervised token ids."""
-    runs: list[list[int]] = []
-    previous = 0
-    for token, flag in zip(ids, mask, strict=True):
-        if flag and not previous:
-            runs.append([])
-        if flag:
-            runs[-1].append(token)
-        previous = flag
-    return runs
-
-
 def _tokenize(messages, tokenizer, train_only_last_turn=False, max_length=4096):  # type: ignore[no-untyped-def]
     rendered = TokenizerTemplate(tokenizer).render(messages, "test")
     if train_only_last_turn:
@@ -86,9 +70,9 @@ def test_each_assistant_turn_supervised_exactly(smollm2_tokenizer, messages) -> 
     assert rendered.text == smollm2_tokenizer.apply_chat_template(messages, tokenize=False)
     assert len(ids) == len(mask)
     assert set(mask) == {0, 1}
-    assert _decode(smollm2_tokenizer, ids) == rendered.text
+    assert decode(smollm2_tokenizer, ids) == rendered.text
     replies = [m["content"] for m in messages if m["role"] == "assistant"]
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == [
+    assert [decode(smollm2_tokenizer, run) for run in supervised_runs(ids, mask)] == [
         r + EOT for r in replies
     ]
 
@@ -100,8 +84,8 @@ def test_prompt_parts_unsupervised(smollm2_tokenizer, messages) -> None:  # type
     """System and user contents and the role headers all lie in unsupervised tokens; the
     sample starts unsupervised and the "\\n" after each "<|im_end|>" is unsupervised."""
     _, ids, mask = _tokenize(messages, smollm2_tokenizer)
-    unsupervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
-    supervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if m])
+    unsupervised = decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
+    supervised = decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if m])
     for message in messages:
         if message["role"] != "assistant":
             assert message["content"] in unsupervised
@@ -121,7 +105,7 @@ def test_train_only_last_turn(smollm2_tokenizer) -> None:  # type: ignore[no-unt
     """train_only_last_turn=True supervises the last assistant turn only, with the same ids."""
     _, ids_all, mask_all = _tokenize(THREE_TURNS, smollm2_tokenizer)
     _, ids, mask = _tokenize(THREE_TURNS, smollm2_tokenizer, train_only_last_turn=True)
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == [
+    assert [decode(smollm2_tokenizer, run) for run in supervised_runs(ids, mask)] == [
         "You're welcome, stay dry!" + EOT
     ]
     assert ids == ids_all
@@ -159,8 +143,10 @@ def test_leading_whitespace_reply(smollm2_tokenizer) -> None:  # type: ignore[no
         {"role": "assistant", "content": "  hello world"},
     ]
     rendered, ids, mask = _tokenize(messages, smollm2_tokenizer)
-    assert _decode(smollm2_tokenizer, ids) == rendered.text
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == ["  hello world" + EOT]
+    assert decode(smollm2_tokenizer, ids) == rendered.text
+    assert [decode(smollm2_tokenizer, run) for run in supervised_runs(ids, mask)] == [
+        "  hello world" + EOT
+    ]
 
 
 def test_empty_reply_not_supervised(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -172,7 +158,7 @@ def test_empty_reply_not_supervised(smollm2_tokenizer) -> None:  # type: ignore[
         {"role": "assistant", "content": "Yes."},
     ]
     _, ids, mask = _tokenize(messages, smollm2_tokenizer)
-    assert [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)] == ["Yes." + EOT]
+    assert [decode(smollm2_tokenizer, run) for run in supervised_runs(ids, mask)] == ["Yes." + EOT]
 
 
 def test_trailing_whitespace_reply_still_supervises_end_of_turn(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -182,7 +168,7 @@ def test_trailing_whitespace_reply_still_supervises_end_of_turn(smollm2_tokenize
         {"role": "assistant", "content": "Here is a line.\n"},
     ]
     _, ids, mask = _tokenize(messages, smollm2_tokenizer)
-    runs = [_decode(smollm2_tokenizer, run) for run in _runs(ids, mask)]
+    runs = [decode(smollm2_tokenizer, run) for run in supervised_runs(ids, mask)]
     assert len(runs) == 1
     assert runs[0].endswith(EOT)
     assert runs[0][: -len(EOT)].strip() == "Here is a line."
@@ -208,5 +194,5 @@ def test_reply_text_occurring_earlier_is_not_matched_there(smollm2_tokenizer, me
     rendered, ids, mask = _tokenize(messages, smollm2_tokenizer)
     header = rendered.text.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")
     assert [start >= header for start, _ in rendered.spans] == [True]
-    unsupervised = _decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
+    unsupervised = decode(smollm2_tokenizer, [t for t, m in zip(ids, mask, strict=True) if not m])
     assert messages[0]["content"] in unsupervised

@@ -9,6 +9,7 @@ import copy
 from typing import Any
 
 import pytest
+from mask_helpers import supervised_text
 
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
@@ -94,10 +95,6 @@ EXPECTED_SPANS = {
 }
 
 
-def _supervised(rendered: Rendered) -> list[str]:
-    return [rendered.text[s:e] for s, e in rendered.spans]
-
-
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 def test_fast_and_slow_paths_agree(smollm2_tokenizer, name: str) -> None:  # type: ignore[no-untyped-def]
     """The sentinel path succeeds and gives the same Rendered as the turn-by-turn path; both
@@ -111,7 +108,7 @@ def test_fast_and_slow_paths_agree(smollm2_tokenizer, name: str) -> None:  # typ
     assert fast is not None
     assert fast == slow
     assert template.render(messages, "w") == fast
-    assert _supervised(fast) == EXPECTED_SPANS[name]
+    assert supervised_text(fast) == EXPECTED_SPANS[name]
     assert all(text[:start].endswith(HEADER) for start, _ in fast.spans)
 
 
@@ -201,7 +198,7 @@ def test_transforming_template_uses_slow_path(options: dict, expected: list[str]
     rendered = template.render(TRANSFORMED, "w")
     assert rendered == template._render_turn_by_turn(TRANSFORMED, text, "w")
     assert rendered.text == text
-    assert _supervised(rendered) == expected
+    assert supervised_text(rendered) == expected
     assert all(text[:start].endswith(HEADER) for start, _ in rendered.spans)
 
 
@@ -217,7 +214,7 @@ def test_think_block_without_trim_uses_fast_path() -> None:
     fast = template._render_with_sentinels(messages, text, "w")
     assert fast is not None
     assert fast == template._render_turn_by_turn(messages, text, "w")
-    assert _supervised(fast) == ["<think>\nAdd them.\n</think>\n\n4<|im_end|>"]
+    assert supervised_text(fast) == ["<think>\nAdd them.\n</think>\n\n4<|im_end|>"]
 
 
 def test_rewritten_reply_raises_data_error() -> None:
@@ -255,7 +252,7 @@ def test_template_exception_becomes_data_error(smollm2_tokenizer) -> None:  # ty
     tokenizer = _with_template(smollm2_tokenizer, ALTERNATING)
     template = TokenizerTemplate(tokenizer)
     good = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-    assert _supervised(template.render(good, "w")) == ["Hello!<|im_end|>"]
+    assert supervised_text(template.render(good, "w")) == ["Hello!<|im_end|>"]
     bad = [
         {"role": "user", "content": "Hi"},
         {"role": "user", "content": "Anyone?"},
@@ -326,7 +323,7 @@ def test_phi3_style_template_end_markers(smollm2_tokenizer) -> None:  # type: ig
     """Every reply, not only the last, is supervised through its own "<|end|>"."""
     template = TokenizerTemplate(_with_template(smollm2_tokenizer, PHI3_TEMPLATE))
     rendered = template.render(TWO_TURNS, "w")
-    assert _supervised(rendered) == ["Hello!<|end|>", "4<|end|>"]
+    assert supervised_text(rendered) == ["Hello!<|end|>", "4<|end|>"]
     assert template.header == "<|assistant|>\n"
 
 
@@ -334,4 +331,4 @@ def test_llama2_style_template_supervises_eos(smollm2_tokenizer) -> None:  # typ
     """Each reply's span runs through the eos that closes it."""
     template = TokenizerTemplate(_with_template(smollm2_tokenizer, LLAMA2_TEMPLATE))
     rendered = template.render(TWO_TURNS, "w")
-    assert [part.rstrip().endswith("</s>") for part in _supervised(rendered)] == [True, True]
+    assert [part.rstrip().endswith("</s>") for part in supervised_text(rendered)] == [True, True]
