@@ -44,8 +44,12 @@ format: $(STAMP) ## Apply ruff formatting and fixes
 	$(VENV)/bin/ruff format src tests benchmarks
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
+TTT_STEP := $(OFFLINE) $(PY) benchmarks/ttt_step.py --ttt-length 7 --steps 5 --dtype float32 --json
 bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
-	@for script in benchmarks/bench_*.py; do $(OFFLINE) $(PY) $$script || exit 1; done
+	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 512
+	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 2048
+	$(TTT_STEP) --hidden-size 512 --intermediate-size 1792 --heads 8 --kv-heads 2 --vocab 128256 --draft-vocab 32000 --seq-len 1024
+	$(OFFLINE) $(PY) benchmarks/preprocess.py --rows 7168 --num-proc 1,2
 
 clean: ## Remove run outputs (not the venv or the model/data cache)
 	rm -rf outputs multirun .pytest_cache

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleforge.draft.attention import eager_ttt_attention
+from eagleforge.draft.loss import chunked_soft_cross_entropy
 from eagleforge.draft.model import Eagle3Draft
 
 
@@ -101,7 +102,9 @@ def draft_step(
     return hidden_BTH + layer.mlp(layer.post_attention_layernorm(hidden_BTH))
 
 
-def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, ttt_length: int) -> TTTStats:
+def ttt_forward(
+    draft: Eagle3Draft, batch: TTTBatch, ttt_length: int, loss_chunk_size: int = 1024
+) -> TTTStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts."""
     input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
     teacher = batch.teacher
@@ -123,11 +126,14 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, ttt_length: int) -> TTTStat
         )
         counted_BT = counted_positions(batch.loss_mask_BT, valid, teacher.in_draft_BT, step)
         rows, cols = counted_BT.nonzero(as_tuple=True)
-        logits_nW = draft.lm_head(draft.norm(hidden_BTH[rows, cols])).float()
-        target_probs_nW = teacher.probs_BTW[rows, cols + 1 + step]
-        log_probs_nW = torch.log_softmax(logits_nW, dim=-1)
-        losses.append(-(target_probs_nW * log_probs_nW).sum())
-        predicted = draft.draft_to_target_ids(logits_nW.argmax(dim=-1))
+        loss_sum, draft_argmax_n = chunked_soft_cross_entropy(
+            draft.norm(hidden_BTH[rows, cols]),
+            draft.lm_head.weight,
+            teacher.probs_BTW[rows, cols + 1 + step],
+            loss_chunk_size,
+        )
+        losses.append(loss_sum)
+        predicted = draft.draft_to_target_ids(draft_argmax_n)
         corrects.append((predicted == teacher.target_ids_BT[rows, cols + 1 + step]).sum())
         counts.append(torch.tensor(rows.numel(), device=input_ids.device))
     return TTTStats(torch.stack(losses), torch.stack(counts), torch.stack(corrects))

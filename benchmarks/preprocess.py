@@ -1,6 +1,6 @@
 """Preprocessing throughput: chitchat rendered + tokenized with the SmolLM2 tokenizer and template.
 
-    .venv/bin/python benchmarks/bench_preprocess.py [--rows 7168] [--num-proc 1,2]
+    .venv/bin/python benchmarks/preprocess.py [--rows 7168] [--num-proc 1,2]
 
 Compares eagleforge's pipeline (exact loss masks; the cache is bypassed) at several process
 counts with a plain loop of ``apply_chat_template(tokenize=True)`` per conversation (no mask).
@@ -25,11 +25,19 @@ def cache_dir() -> str:
 
 
 def bench_pipeline(tokenizer, rows: int, num_proc: int) -> dict[str, float | int | str]:  # type: ignore[no-untyped-def]
-    settings = _Settings(DataFormat.chitchat, False, max_length=1 << 20, truncate=True, train_only_last_turn=False)
+    settings = _Settings(
+        DataFormat.chitchat, False, max_length=1 << 20, truncate=True, train_only_last_turn=False
+    )
     renderer = make_renderer("auto", tokenizer)
     start = time.perf_counter()
     dataset, report, _ = preprocess_rows(
-        read_rows(DataFormat.chitchat, []), renderer, tokenizer, settings, OnError.skip, num_proc, rows
+        read_rows(DataFormat.chitchat, []),
+        renderer,
+        tokenizer,
+        settings,
+        OnError.skip,
+        num_proc,
+        rows,
     )
     seconds = time.perf_counter() - start
     return {"bench": "preprocess", "method": "eagleforge", "num_proc": num_proc, "rows": report.rows,
@@ -66,7 +74,9 @@ def main() -> None:
     results += [bench_pipeline(tokenizer, args.rows, int(n)) for n in args.num_proc.split(",")]
     print(f"{'method':<26} {'procs':>5} {'kept':>6} {'tokens':>9} {'seconds':>8} {'tokens/s':>9}")
     for r in results:
-        print(f"{r['method']:<26} {r['num_proc']:>5} {r['kept']:>6} {r['tokens']:>9} {r['seconds']:>8} {r['tokens_per_s']:>9}")
+        print(
+            f"{r['method']:<26} {r['num_proc']:>5} {r['kept']:>6} {r['tokens']:>9} {r['seconds']:>8} {r['tokens_per_s']:>9}"
+        )
     for r in results:
         print(json.dumps(r))
 
