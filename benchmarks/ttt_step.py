@@ -108,7 +108,9 @@ def main() -> None:
         teacher = compute_teacher(final_hidden, lm_head, draft_ids, t2d, 1024, needed)
         batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher)
         optimizer.zero_grad(set_to_none=True)
-        stats = ttt_forward(draft, batch, args.ttt_length)
+        stats = ttt_forward(
+            draft, batch, args.ttt_length, attention=AttentionBackend(args.attention)
+        )
         weighted_loss(stats, count_positions(batch, args.ttt_length), weights).backward()
         optimizer.step()
         return time.perf_counter() - start

@@ -22,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import Collator, build_datasets
 from eagleforge.data.vocab import cached_vocab_map
-from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.errors import exit_on_user_error
+from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
+from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
 from eagleforge.target.hf import HFTarget
@@ -51,6 +51,10 @@ def run(cfg: DictConfig) -> TrainResult:
     """Build everything from a composed config and train; returns the trainer's result."""
     config: EagleForgeConfig = to_typed(cfg)
     device = resolve_device(config.parallel)
+    if config.draft.attention == AttentionBackend.sdpa and device.type != "cpu":
+        raise ConfigError(
+            "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
+        )
     seed_everything(config.seed)
     cache_dir = config.resolved_cache_dir()
     output_dir = Path(config.output_dir)

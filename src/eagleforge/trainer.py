@@ -141,7 +141,7 @@ class Trainer:
         self.draft, self.make_batch = draft, make_batch
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.optimizer, self.scheduler, self.tracker = optimizer, scheduler, tracker
-        self.cfg, self.ttt_length = cfg, draft_cfg.ttt_length
+        self.cfg, self.ttt_length, self.attention = cfg, draft_cfg.ttt_length, draft_cfg.attention
         self.weights_k = step_weights(draft_cfg.ttt_length, draft_cfg.step_weight_decay, device)
         self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
         self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml
@@ -165,7 +165,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             with self.autocast:
-                stats = ttt_forward(self.draft, batch, self.ttt_length)
+                stats = ttt_forward(self.draft, batch, self.ttt_length, attention=self.attention)
                 loss = weighted_loss(stats, global_counts_k, self.weights_k)
             loss.backward()
             sums.add(
@@ -189,7 +189,7 @@ class Trainer:
         for raw in self.eval_loader:
             batch = self.make_batch({k: v.to(self.device) for k, v in raw.items()})
             with self.autocast:
-                stats = ttt_forward(self.draft, batch, self.ttt_length)
+                stats = ttt_forward(self.draft, batch, self.ttt_length, attention=self.attention)
             sums.add(
                 stats.loss_sum_k,
                 stats.num_counted_k,

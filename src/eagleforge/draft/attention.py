@@ -5,12 +5,20 @@ excluded) and to the keys of steps 1..i at position t only (the "diagonal"). The
 implementation materialises that mask over all (i+1)*T keys; it is the reference every fast
 backend is tested against.
 
-Shape suffixes: B batch, T sequence, S keys, N query heads, K kv heads, D head dim.
+Backends: ``eager`` (the reference) and ``sdpa`` (step-0 keys through PyTorch's flash kernel,
+diagonal keys as dot products, merged exactly by log-sum-exp; O(T) extra memory; CPU).
+
+Shape suffixes: B batch, T sequence, S keys, N query heads, K kv heads, J diagonal steps,
+D head dim.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from eagleforge.errors import ConfigError
 
 
 def ttt_attention_mask(valid_BT: torch.Tensor, num_steps: int) -> torch.Tensor:
@@ -46,3 +54,102 @@ def eager_ttt_attention(
     probs_BNTS = torch.softmax(scores_BNTS, dim=-1).to(v_BKSD.dtype)
     out_BNTD = probs_BNTS @ v_BKSD
     return out_BNTD.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):  # type: ignore[no-untyped-def]
+    """Causal (or additively masked) attention with its log-sum-exp, PyTorch's CPU flash kernel."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, mask is None, attn_mask=mask
+    )
+
+
+class _MergedTTTAttention(torch.autograd.Function):
+    """Step-0 keys through the flash kernel, diagonal keys as dot products, merged by log-sum-exp.
+
+    Backward runs the flash backward with the *merged* output and log-sum-exp, which gives the
+    exact gradients of the union attention with respect to the step-0 part; the diagonal part
+    is differentiated by hand. Extra memory is O(T * steps), never O(T^2).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q_BNTD: torch.Tensor,
+        k0_BNTD: torch.Tensor,
+        v0_BNTD: torch.Tensor,
+        kd_BNJTD: torch.Tensor,
+        vd_BNJTD: torch.Tensor,
+        mask_B1TT: torch.Tensor | None,
+    ) -> torch.Tensor:
+        scale = q_BNTD.shape[-1] ** -0.5
+        out0, lse0_BNT = _flash_cpu(q_BNTD, k0_BNTD, v0_BNTD, mask_B1TT)
+        scores_BNTJ = torch.einsum("bntd,bnjtd->bntj", q_BNTD.float(), kd_BNJTD.float()) * scale
+        lse_BNT = torch.logaddexp(lse0_BNT.float(), torch.logsumexp(scores_BNTJ, dim=-1))
+        weight0 = torch.exp(lse0_BNT.float() - lse_BNT).unsqueeze(-1)
+        probs_BNTJ = torch.exp(scores_BNTJ - lse_BNT.unsqueeze(-1))
+        out = weight0 * out0.float() + torch.einsum(
+            "bntj,bnjtd->bntd", probs_BNTJ, vd_BNJTD.float()
+        )
+        out = out.to(q_BNTD.dtype)
+        ctx.save_for_backward(
+            q_BNTD, k0_BNTD, v0_BNTD, kd_BNJTD, vd_BNJTD, out, lse_BNT, probs_BNTJ
+        )
+        ctx.mask, ctx.scale = mask_B1TT, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k0, v0, kd, vd, out, lse, probs_BNTJ = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k0, v0, out, lse.to(q.dtype), 0.0, ctx.mask is None, attn_mask=ctx.mask
+        )
+        g = grad_out.float()
+        delta_BNT = (g * out.float()).sum(-1)
+        dvd = torch.einsum("bntj,bntd->bnjtd", probs_BNTJ, g)
+        dprobs = torch.einsum("bntd,bnjtd->bntj", g, vd.float())
+        dscores = probs_BNTJ * (dprobs - delta_BNT.unsqueeze(-1)) * ctx.scale
+        dq = dq + torch.einsum("bntj,bnjtd->bntd", dscores, kd.float()).to(dq.dtype)
+        dkd = torch.einsum("bntj,bntd->bnjtd", dscores, q.float())
+        return dq, dk0, dv0, dkd.to(kd.dtype), dvd.to(vd.dtype), None
+
+
+def sdpa_ttt_attention(
+    q_BNTD: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    valid_BT: torch.Tensor,
+) -> torch.Tensor:
+    """Same result as ``eager_ttt_attention`` without materialising the [T, steps*T] scores."""
+    if q_BNTD.device.type != "cpu":  # checked at config time too (train.py)
+        raise ConfigError(
+            "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
+        )
+    batch, num_heads, seq, head_dim = q_BNTD.shape
+    groups = num_heads // keys[0].shape[1]
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+    # diagonal keys of steps 1..i; a zero-width stack when only step 0 exists
+    kd = (
+        torch.stack([heads(k) for k in keys[1:]], dim=2)
+        if len(keys) > 1
+        else q_BNTD.new_zeros(batch, num_heads, 0, seq, head_dim)
+    )
+    vd = torch.stack([heads(v) for v in values[1:]], dim=2) if len(values) > 1 else kd
+    mask = None
+    if not bool(valid_BT.all()):
+        allowed = ttt_attention_mask(valid_BT, 1).unsqueeze(1)
+        mask = torch.zeros(allowed.shape, dtype=q_BNTD.dtype, device=q_BNTD.device).masked_fill_(
+            ~allowed, float("-inf")
+        )
+    out = _MergedTTTAttention.apply(
+        q_BNTD.contiguous(),
+        heads(keys[0]).contiguous(),
+        heads(values[0]).contiguous(),
+        kd,
+        vd,
+        mask,
+    )
+    return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)

@@ -25,7 +25,8 @@ from eagleforge.errors import ConfigError
 class AttentionBackend(str, Enum):
     """How the TTT attention is computed (see ``draft/attention.py``)."""
 
-    eager = "eager"
+    eager = "eager"  # materialised [T, steps*T] mask: the reference
+    sdpa = "sdpa"  # flash kernel for step-0 keys + log-sum-exp merge of the diagonal (CPU)
 
 
 @dataclass

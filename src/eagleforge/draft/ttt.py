@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleforge.draft.attention import eager_ttt_attention
+from eagleforge.draft.attention import eager_ttt_attention, sdpa_ttt_attention
 from eagleforge.draft.loss import chunked_soft_cross_entropy
-from eagleforge.draft.model import Eagle3Draft
+from eagleforge.draft.model import AttentionBackend, Eagle3Draft
+
+ATTENTION = {AttentionBackend.eager: eager_ttt_attention, AttentionBackend.sdpa: sdpa_ttt_attention}
 
 
 @dataclass
@@ -88,6 +90,7 @@ def draft_step(
     valid_BT: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
+    attention: AttentionBackend = AttentionBackend.eager,
 ) -> torch.Tensor:
     """One draft-layer pass of a TTT step; appends this step's keys/values; returns pre-norm [B,T,H]."""
     layer = draft.midlayer
@@ -97,13 +100,17 @@ def draft_step(
     q, k, v = layer.self_attn.project(x_BTX, cos, sin)
     keys.append(k)
     values.append(v)
-    attn = layer.self_attn.o_proj(eager_ttt_attention(q, keys, values, valid_BT))
+    attn = layer.self_attn.o_proj(ATTENTION[attention](q, keys, values, valid_BT))
     hidden_BTH = hidden_BTH + attn
     return hidden_BTH + layer.mlp(layer.post_attention_layernorm(hidden_BTH))
 
 
 def ttt_forward(
-    draft: Eagle3Draft, batch: TTTBatch, ttt_length: int, loss_chunk_size: int = 1024
+    draft: Eagle3Draft,
+    batch: TTTBatch,
+    ttt_length: int,
+    loss_chunk_size: int = 1024,
+    attention: AttentionBackend = AttentionBackend.eager,
 ) -> TTTStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts."""
     input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
@@ -123,6 +130,7 @@ def ttt_forward(
             valid,
             keys,
             values,
+            attention,
         )
         counted_BT = counted_positions(batch.loss_mask_BT, valid, teacher.in_draft_BT, step)
         rows, cols = counted_BT.nonzero(as_tuple=True)

@@ -1,0 +1,101 @@
+"""The sdpa TTT attention backend matches the eager reference in outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_drafts import tiny_draft
+
+from eagleforge.draft.attention import eager_ttt_attention, sdpa_ttt_attention
+from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.ttt import (
+    Teacher,
+    TTTBatch,
+    count_positions,
+    step_weights,
+    ttt_forward,
+    weighted_loss,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _outputs_and_grads(fn, q, keys, values, valid, upstream):  # type: ignore[no-untyped-def]
+    leaves = [q, *keys, *values]
+    for leaf in leaves:
+        leaf.grad = None
+    out = fn(q, keys, values, valid)
+    # only real (non-padded) queries matter downstream
+    (out * upstream * valid.unsqueeze(-1)).sum().backward()
+    return out.detach() * valid.unsqueeze(-1), [leaf.grad.clone() for leaf in leaves]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (2, 2), (4, 1)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_sdpa_matches_eager(steps: int, heads: int, kv_heads: int, padded: bool) -> None:
+    generator = torch.Generator().manual_seed(steps * 10 + heads + kv_heads)
+    batch, seq, dim = 2, 11, 8
+    valid = torch.ones(batch, seq, dtype=torch.bool)
+    if padded:
+        valid[1, 7:] = False
+    q = torch.randn(batch, heads, seq, dim, generator=generator).requires_grad_()
+    keys = [
+        torch.randn(batch, kv_heads, seq, dim, generator=generator).requires_grad_()
+        for _ in range(steps)
+    ]
+    values = [
+        torch.randn(batch, kv_heads, seq, dim, generator=generator).requires_grad_()
+        for _ in range(steps)
+    ]
+    upstream = torch.randn(batch, seq, heads * dim, generator=generator)
+    eager = _outputs_and_grads(eager_ttt_attention, q, keys, values, valid, upstream)
+    sdpa = _outputs_and_grads(sdpa_ttt_attention, q, keys, values, valid, upstream)
+    torch.testing.assert_close(sdpa[0], eager[0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(sdpa[1], eager[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_ttt_forward_sdpa_equals_eager() -> None:
+    """The whole unrolled TTT (loss sums, counts, correct) and the draft gradients agree."""
+    generator = torch.Generator().manual_seed(3)
+    draft = tiny_draft(seed=1)
+    arch = draft.arch
+    batch, seq = 2, 12
+    valid = torch.ones(batch, seq, dtype=torch.bool)
+    valid[0, 9:] = False
+    batch_ = TTTBatch(
+        input_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
+        valid_BT=valid,
+        loss_mask_BT=torch.rand(batch, seq, generator=generator) > 0.3,
+        aux_BTA=torch.randn(batch, seq, 3 * arch.target_hidden_size, generator=generator),
+        teacher=Teacher(
+            probs_BTW=torch.softmax(
+                torch.randn(batch, seq, arch.draft_vocab_size, generator=generator), -1
+            ),
+            target_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
+            in_draft_BT=torch.ones(batch, seq, dtype=torch.bool),
+        ),
+    )
+    results = {}
+    for backend in AttentionBackend:
+        draft.zero_grad(set_to_none=True)
+        stats = ttt_forward(draft, batch_, 4, attention=backend)
+        weighted_loss(stats, count_positions(batch_, 4), step_weights(4, 0.8)).backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        results[backend] = (stats, grads)
+    (eager, eager_grads), (sdpa, sdpa_grads) = (
+        results[AttentionBackend.eager],
+        results[AttentionBackend.sdpa],
+    )
+    torch.testing.assert_close(sdpa.loss_sum_k, eager.loss_sum_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(sdpa.num_counted_k, eager.num_counted_k)
+    assert torch.equal(sdpa.num_correct_k, eager.num_correct_k)
+    assert (
+        eager_grads.keys() == sdpa_grads.keys()
+        and "midlayer.self_attn.q_proj.weight" in eager_grads
+    )
+    for name in eager_grads:
+        torch.testing.assert_close(
+            sdpa_grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name
+        )
