@@ -44,7 +44,7 @@ format: $(STAMP) ## Apply ruff formatting and fixes
 	$(VENV)/bin/ruff format src tests benchmarks
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
-TTT_STEP := $(OFFLINE) $(PY) benchmarks/ttt_step.py --ttt-length 7 --steps 5 --dtype float32 --json
+TTT_STEP := $(OFFLINE) $(PY) benchmarks/ttt_step.py --ttt-length 7 --steps 5 --dtype float32 --attention sdpa --json
 bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
 	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 512
 	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 2048

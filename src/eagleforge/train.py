@@ -22,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import Collator, build_datasets
 from eagleforge.data.vocab import cached_vocab_map
-from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
-from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.errors import exit_on_user_error
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
 from eagleforge.target.hf import HFTarget
@@ -51,10 +51,7 @@ def run(cfg: DictConfig) -> TrainResult:
     """Build everything from a composed config and train; returns the trainer's result."""
     config: EagleForgeConfig = to_typed(cfg)
     device = resolve_device(config.parallel)
-    if config.draft.attention == AttentionBackend.sdpa and device.type != "cpu":
-        raise ConfigError(
-            "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
-        )
+    attention = config.draft.attention_for(device)
     seed_everything(config.seed)
     cache_dir = config.resolved_cache_dir()
     output_dir = Path(config.output_dir)
@@ -139,6 +136,7 @@ def run(cfg: DictConfig) -> TrainResult:
         tracker=tracker,
         cfg=trainer_cfg,
         draft_cfg=config.draft,
+        attention=attention,
         max_grad_norm=config.optimizer.max_grad_norm,
         max_num_steps=max_num_steps,
         device=device,

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import save_checkpoint
-from eagleforge.draft.model import DraftConfig, Eagle3Draft
+from eagleforge.draft.model import AttentionBackend, DraftConfig, Eagle3Draft
 from eagleforge.draft.ttt import (
     TTTBatch,
     count_positions,
@@ -132,6 +132,7 @@ class Trainer:
         tracker: Tracker,
         cfg: TrainerConfig,
         draft_cfg: DraftConfig,
+        attention: AttentionBackend,
         max_grad_norm: float,
         max_num_steps: int,
         device: torch.device,
@@ -141,7 +142,7 @@ class Trainer:
         self.draft, self.make_batch = draft, make_batch
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.optimizer, self.scheduler, self.tracker = optimizer, scheduler, tracker
-        self.cfg, self.ttt_length, self.attention = cfg, draft_cfg.ttt_length, draft_cfg.attention
+        self.cfg, self.ttt_length, self.attention = cfg, draft_cfg.ttt_length, attention
         self.weights_k = step_weights(draft_cfg.ttt_length, draft_cfg.step_weight_decay, device)
         self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
         self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml

@@ -121,7 +121,7 @@ def sdpa_ttt_attention(
     valid_BT: torch.Tensor,
 ) -> torch.Tensor:
     """Same result as ``eager_ttt_attention`` without materialising the [T, steps*T] scores."""
-    if q_BNTD.device.type != "cpu":  # checked at config time too (train.py)
+    if q_BNTD.device.type != "cpu":  # also checked at config time (DraftConfig.attention_for)
         raise ConfigError(
             "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
         )

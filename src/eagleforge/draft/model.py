@@ -25,6 +25,7 @@ from eagleforge.errors import ConfigError
 class AttentionBackend(str, Enum):
     """How the TTT attention is computed (see ``draft/attention.py``)."""
 
+    auto = "auto"  # sdpa on CPU, eager elsewhere
     eager = "eager"  # materialised [T, steps*T] mask: the reference
     sdpa = "sdpa"  # flash kernel for step-0 keys + log-sum-exp merge of the diagonal (CPU)
 
@@ -39,12 +40,22 @@ class DraftConfig:
     ttt_length: int = 7
     # Weight of TTT step i in the loss is step_weight_decay ** i.
     step_weight_decay: float = 0.8
-    # TTT attention implementation.
-    attention: AttentionBackend = AttentionBackend.eager
+    # TTT attention implementation (auto | eager | sdpa).
+    attention: AttentionBackend = AttentionBackend.auto
     # MLP width of the draft layer; null = the target's intermediate_size.
     intermediate_size: int | None = None
     # Std of the normal init of trainable weights (fc, attention, mlp, lm_head).
     init_std: float = 0.02
+
+    def attention_for(self, device: torch.device) -> AttentionBackend:
+        """The backend to run on ``device``; ConfigError where the chosen one cannot run."""
+        if self.attention == AttentionBackend.auto:
+            return AttentionBackend.sdpa if device.type == "cpu" else AttentionBackend.eager
+        if self.attention == AttentionBackend.sdpa and device.type != "cpu":
+            raise ConfigError(
+                "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
+            )
+        return self.attention
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1:
