@@ -5,8 +5,9 @@ excluded) and to the keys of steps 1..i at position t only (the "diagonal"). The
 implementation materialises that mask over all (i+1)*T keys; it is the reference every fast
 backend is tested against.
 
-Backends: ``eager`` (the reference) and ``sdpa`` (step-0 keys through PyTorch's flash kernel,
-diagonal keys as dot products, merged exactly by log-sum-exp; O(T) extra memory; CPU).
+Backends: ``eager`` (the reference), ``sdpa`` (step-0 keys through PyTorch's flash kernel,
+diagonal keys as dot products, merged exactly by log-sum-exp; O(T) extra memory; CPU) and
+``flex`` (flex_attention with the TTT mask as a BlockMask; CUDA, forward-only on CPU).
 
 Shape suffixes: B batch, T sequence, S keys, N query heads, K kv heads, J diagonal steps,
 D head dim.
@@ -151,5 +152,45 @@ def sdpa_ttt_attention(
         kd,
         vd,
         mask,
+    )
+    return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
+
+
+_compiled_flex: Any = None
+
+
+def flex_ttt_attention(
+    q_BNTD: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    valid_BT: torch.Tensor,
+) -> torch.Tensor:
+    """flex_attention over the keys of all steps with the TTT mask as a BlockMask.
+
+    Compiled into a fused kernel on CUDA (forward and backward). On CPU it runs PyTorch's
+    unfused reference forward only, which is what the CPU tests check against eager.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    batch, num_heads, seq, head_dim = q_BNTD.shape
+    k_BKSD, v_BKSD = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    valid = valid_BT.bool()
+
+    def ttt_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        position, step = kv_idx % seq, kv_idx // seq
+        step0 = (step == 0) & (position <= q_idx) & valid[b, position]
+        return step0 | ((step > 0) & (position == q_idx))
+
+    block_mask = create_block_mask(
+        ttt_mask, batch, None, seq, k_BKSD.shape[2], device=q_BNTD.device
+    )
+    attend = flex_attention
+    if q_BNTD.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        attend = _compiled_flex
+    out = attend(
+        q_BNTD, k_BKSD, v_BKSD, block_mask=block_mask, enable_gqa=k_BKSD.shape[1] != num_heads
     )
     return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)

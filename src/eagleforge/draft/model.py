@@ -28,6 +28,7 @@ class AttentionBackend(str, Enum):
     auto = "auto"  # sdpa on CPU, eager elsewhere
     eager = "eager"  # materialised [T, steps*T] mask: the reference
     sdpa = "sdpa"  # flash kernel for step-0 keys + log-sum-exp merge of the diagonal (CPU)
+    flex = "flex"  # flex_attention with a BlockMask (CUDA; on CPU forward only)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class DraftConfig:
     ttt_length: int = 7
     # Weight of TTT step i in the loss is step_weight_decay ** i.
     step_weight_decay: float = 0.8
-    # TTT attention implementation (auto | eager | sdpa).
+    # TTT attention implementation (auto | eager | sdpa | flex).
     attention: AttentionBackend = AttentionBackend.auto
     # MLP width of the draft layer; null = the target's intermediate_size.
     intermediate_size: int | None = None
@@ -54,6 +55,11 @@ class DraftConfig:
         if self.attention == AttentionBackend.sdpa and device.type != "cpu":
             raise ConfigError(
                 "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
+            )
+        if self.attention == AttentionBackend.flex and device.type != "cuda":
+            raise ConfigError(
+                "draft.attention=flex trains on CUDA only (its CPU backward does not exist); "
+                "use draft.attention=sdpa or auto on CPU."
             )
         return self.attention
 

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleforge.draft.attention import eager_ttt_attention, sdpa_ttt_attention
+from eagleforge.draft.attention import eager_ttt_attention, flex_ttt_attention, sdpa_ttt_attention
 from eagleforge.draft.loss import chunked_soft_cross_entropy
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
 
-ATTENTION = {AttentionBackend.eager: eager_ttt_attention, AttentionBackend.sdpa: sdpa_ttt_attention}
+ATTENTION = {
+    AttentionBackend.eager: eager_ttt_attention,
+    AttentionBackend.sdpa: sdpa_ttt_attention,
+    AttentionBackend.flex: flex_ttt_attention,
+}
 
 
 @dataclass
