@@ -143,6 +143,7 @@ class Trainer:
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.optimizer, self.scheduler, self.tracker = optimizer, scheduler, tracker
         self.cfg, self.ttt_length, self.attention = cfg, draft_cfg.ttt_length, attention
+        self.compile = draft_cfg.compile
         self.weights_k = step_weights(draft_cfg.ttt_length, draft_cfg.step_weight_decay, device)
         self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
         self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml
@@ -166,7 +167,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             with self.autocast:
-                stats = ttt_forward(self.draft, batch, self.ttt_length, attention=self.attention)
+                stats = ttt_forward(
+                    self.draft,
+                    batch,
+                    self.ttt_length,
+                    attention=self.attention,
+                    compile=self.compile,
+                )
                 loss = weighted_loss(stats, global_counts_k, self.weights_k)
             loss.backward()
             sums.add(
@@ -190,7 +197,13 @@ class Trainer:
         for raw in self.eval_loader:
             batch = self.make_batch({k: v.to(self.device) for k, v in raw.items()})
             with self.autocast:
-                stats = ttt_forward(self.draft, batch, self.ttt_length, attention=self.attention)
+                stats = ttt_forward(
+                    self.draft,
+                    batch,
+                    self.ttt_length,
+                    attention=self.attention,
+                    compile=self.compile,
+                )
             sums.add(
                 stats.loss_sum_k,
                 stats.num_counted_k,

@@ -24,7 +24,7 @@ def _outputs_and_grads(fn, q, keys, values, valid, upstream):  # type: ignore[no
     leaves = [q, *keys, *values]
     for leaf in leaves:
         leaf.grad = None
-    out = fn(q, keys, values, valid)
+    out = fn(q, keys, values, None if bool(valid.all()) else valid)  # None: no padding
     # only real (non-padded) queries matter downstream
     (out * upstream * valid.unsqueeze(-1)).sum().backward()
     return out.detach() * valid.unsqueeze(-1), [leaf.grad.clone() for leaf in leaves]

@@ -9,6 +9,9 @@ Backends: ``eager`` (the reference), ``sdpa`` (step-0 keys through PyTorch's fla
 diagonal keys as dot products, merged exactly by log-sum-exp; O(T) extra memory; CPU) and
 ``flex`` (flex_attention with the TTT mask as a BlockMask; CUDA, forward-only on CPU).
 
+Every backend takes ``valid_BT`` (True for real tokens) or None when the batch has no padding,
+which lets ``sdpa`` use the plain causal kernel.
+
 Shape suffixes: B batch, T sequence, S keys, N query heads, K kv heads, J diagonal steps,
 D head dim.
 """
@@ -36,7 +39,7 @@ def eager_ttt_attention(
     q_BNTD: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    valid_BT: torch.Tensor,
+    valid_BT: torch.Tensor | None,
 ) -> torch.Tensor:
     """Attention of the newest step's queries over the keys of all steps so far -> [B, T, N*D].
 
@@ -50,6 +53,8 @@ def eager_ttt_attention(
         k_BKSD = k_BKSD.repeat_interleave(groups, dim=1)
         v_BKSD = v_BKSD.repeat_interleave(groups, dim=1)
     scores_BNTS = (q_BNTD @ k_BKSD.transpose(-1, -2)) * head_dim**-0.5
+    if valid_BT is None:
+        valid_BT = torch.ones(batch, seq, dtype=torch.bool, device=q_BNTD.device)
     mask_B1TS = ttt_attention_mask(valid_BT, len(keys)).unsqueeze(1)
     scores_BNTS = scores_BNTS.float().masked_fill(~mask_B1TS, float("-inf"))
     probs_BNTS = torch.softmax(scores_BNTS, dim=-1).to(v_BKSD.dtype)
@@ -119,7 +124,7 @@ def sdpa_ttt_attention(
     q_BNTD: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    valid_BT: torch.Tensor,
+    valid_BT: torch.Tensor | None,
 ) -> torch.Tensor:
     """Same result as ``eager_ttt_attention`` without materialising the [T, steps*T] scores."""
     if q_BNTD.device.type != "cpu":  # also checked at config time (DraftConfig.attention_for)
@@ -140,7 +145,7 @@ def sdpa_ttt_attention(
     )
     vd = torch.stack([heads(v) for v in values[1:]], dim=2) if len(values) > 1 else kd
     mask = None
-    if not bool(valid_BT.all()):
+    if valid_BT is not None:
         allowed = ttt_attention_mask(valid_BT, 1).unsqueeze(1)
         mask = torch.zeros(allowed.shape, dtype=q_BNTD.dtype, device=q_BNTD.device).masked_fill_(
             ~allowed, float("-inf")
@@ -163,7 +168,7 @@ def flex_ttt_attention(
     q_BNTD: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    valid_BT: torch.Tensor,
+    valid_BT: torch.Tensor | None,
 ) -> torch.Tensor:
     """flex_attention over the keys of all steps with the TTT mask as a BlockMask.
 
@@ -175,7 +180,11 @@ def flex_ttt_attention(
     global _compiled_flex
     batch, num_heads, seq, head_dim = q_BNTD.shape
     k_BKSD, v_BKSD = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-    valid = valid_BT.bool()
+    valid = (
+        valid_BT.bool()
+        if valid_BT is not None
+        else torch.ones(batch, seq, dtype=torch.bool, device=q_BNTD.device)
+    )
 
     def ttt_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         position, step = kv_idx % seq, kv_idx // seq

@@ -43,6 +43,8 @@ class DraftConfig:
     step_weight_decay: float = 0.8
     # TTT attention implementation (auto | eager | sdpa | flex).
     attention: AttentionBackend = AttentionBackend.auto
+    # torch.compile the draft layer step (the first steps are slower while it compiles).
+    compile: bool = False
     # MLP width of the draft layer; null = the target's intermediate_size.
     intermediate_size: int | None = None
     # Std of the normal init of trainable weights (fc, attention, mlp, lm_head).

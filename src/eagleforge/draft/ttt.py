@@ -15,6 +15,7 @@ W draft vocab, n counted positions, k TTT steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,7 +92,7 @@ def draft_step(
     input_ids_BT: torch.Tensor,
     hidden_BTH: torch.Tensor,
     position_ids_BT: torch.Tensor,
-    valid_BT: torch.Tensor,
+    valid_BT: torch.Tensor | None,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     attention: AttentionBackend = AttentionBackend.eager,
@@ -109,29 +110,44 @@ def draft_step(
     return hidden_BTH + layer.mlp(layer.post_attention_layernorm(hidden_BTH))
 
 
+_compiled_draft_step: Any = None
+
+
+def compiled_draft_step() -> Any:
+    """``draft_step`` through torch.compile, built once per process (one graph per TTT step)."""
+    global _compiled_draft_step
+    if _compiled_draft_step is None:
+        # dynamic=None: after the first new sequence length, compile once with dynamic shapes
+        _compiled_draft_step = torch.compile(draft_step)
+    return _compiled_draft_step
+
+
 def ttt_forward(
     draft: Eagle3Draft,
     batch: TTTBatch,
     ttt_length: int,
     loss_chunk_size: int = 1024,
     attention: AttentionBackend = AttentionBackend.eager,
+    compile: bool = False,
 ) -> TTTStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts."""
     input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
     teacher = batch.teacher
     seq = input_ids.shape[1]
     positions_BT = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+    attention_valid = None if bool(valid.all()) else valid  # None: no padding to mask
     hidden_BTH = draft.fc(batch.aux_BTA.to(draft.fc.weight.dtype))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     losses, counts, corrects = [], [], []
+    step_fn = compiled_draft_step() if compile else draft_step
     for step in range(ttt_length):
-        hidden_BTH = draft_step(
+        hidden_BTH = step_fn(
             draft,
             shift_left(input_ids, 1 + step),
             hidden_BTH,
             positions_BT + step,
-            valid,
+            attention_valid,
             keys,
             values,
             attention,
