@@ -136,7 +136,7 @@ def _manual_step_hiddens(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
             ]
         )
         positions = torch.tensor([[t + step for t in range(seq)] for _ in range(bsz)])
-        hidden = draft_step(draft, tokens, hidden, positions, batch.valid_BT, keys, values)
+        hidden = draft_step(draft, tokens, hidden, positions, batch.valid_BT, None, keys, values)
         out.append(hidden)
     return out
 

@@ -10,7 +10,8 @@ diagonal keys as dot products, merged exactly by log-sum-exp; O(T) extra memory;
 ``flex`` (flex_attention with the TTT mask as a BlockMask; CUDA, forward-only on CPU).
 
 Every backend takes ``valid_BT`` (True for real tokens) or None when the batch has no padding,
-which lets ``sdpa`` use the plain causal kernel.
+which lets ``sdpa`` use the plain causal kernel, and ``document_ids_BT`` for packed rows (step-0
+attention never crosses a document boundary) or None.
 
 Shape suffixes: B batch, T sequence, S keys, N query heads, K kv heads, J diagonal steps,
 D head dim.
@@ -25,12 +26,22 @@ import torch
 from eagleforge.errors import ConfigError
 
 
-def ttt_attention_mask(valid_BT: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """Boolean mask [B, T, num_steps * T]: True where query t of step num_steps-1 sees the key."""
+def ttt_attention_mask(
+    valid_BT: torch.Tensor, num_steps: int, document_ids_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean mask [B, T, num_steps * T]: True where query t of step num_steps-1 sees the key.
+
+    With ``document_ids_BT`` (packed rows), step-0 keys must also be in the query's document.
+    Padding queries see every earlier real key, so no row is fully masked.
+    """
     batch, seq = valid_BT.shape
     device = valid_BT.device
+    valid = valid_BT.bool()
     causal_TT = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    step0_BTT = causal_TT.unsqueeze(0) & valid_BT.bool().unsqueeze(1)
+    step0_BTT = causal_TT.unsqueeze(0) & valid.unsqueeze(1)
+    if document_ids_BT is not None:
+        same_document = document_ids_BT.unsqueeze(2) == document_ids_BT.unsqueeze(1)
+        step0_BTT &= same_document | ~valid.unsqueeze(2)
     diagonal_BTT = torch.eye(seq, dtype=torch.bool, device=device).expand(batch, seq, seq)
     return torch.cat([step0_BTT] + [diagonal_BTT] * (num_steps - 1), dim=-1)
 
@@ -40,6 +51,7 @@ def eager_ttt_attention(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     valid_BT: torch.Tensor | None,
+    document_ids_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the newest step's queries over the keys of all steps so far -> [B, T, N*D].
 
@@ -55,7 +67,7 @@ def eager_ttt_attention(
     scores_BNTS = (q_BNTD @ k_BKSD.transpose(-1, -2)) * head_dim**-0.5
     if valid_BT is None:
         valid_BT = torch.ones(batch, seq, dtype=torch.bool, device=q_BNTD.device)
-    mask_B1TS = ttt_attention_mask(valid_BT, len(keys)).unsqueeze(1)
+    mask_B1TS = ttt_attention_mask(valid_BT, len(keys), document_ids_BT).unsqueeze(1)
     scores_BNTS = scores_BNTS.float().masked_fill(~mask_B1TS, float("-inf"))
     probs_BNTS = torch.softmax(scores_BNTS, dim=-1).to(v_BKSD.dtype)
     out_BNTD = probs_BNTS @ v_BKSD
@@ -125,6 +137,7 @@ def sdpa_ttt_attention(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     valid_BT: torch.Tensor | None,
+    document_ids_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as ``eager_ttt_attention`` without materialising the [T, steps*T] scores."""
     if q_BNTD.device.type != "cpu":  # also checked at config time (DraftConfig.attention_for)
@@ -145,8 +158,10 @@ def sdpa_ttt_attention(
     )
     vd = torch.stack([heads(v) for v in values[1:]], dim=2) if len(values) > 1 else kd
     mask = None
-    if valid_BT is not None:
-        allowed = ttt_attention_mask(valid_BT, 1).unsqueeze(1)
+    if valid_BT is not None or document_ids_BT is not None:
+        if valid_BT is None:
+            valid_BT = torch.ones(batch, seq, dtype=torch.bool, device=q_BNTD.device)
+        allowed = ttt_attention_mask(valid_BT, 1, document_ids_BT).unsqueeze(1)
         mask = torch.zeros(allowed.shape, dtype=q_BNTD.dtype, device=q_BNTD.device).masked_fill_(
             ~allowed, float("-inf")
         )
@@ -169,6 +184,7 @@ def flex_ttt_attention(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     valid_BT: torch.Tensor | None,
+    document_ids_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """flex_attention over the keys of all steps with the TTT mask as a BlockMask.
 
@@ -189,6 +205,10 @@ def flex_ttt_attention(
     def ttt_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         position, step = kv_idx % seq, kv_idx // seq
         step0 = (step == 0) & (position <= q_idx) & valid[b, position]
+        if document_ids_BT is not None:
+            step0 = step0 & (
+                (document_ids_BT[b, position] == document_ids_BT[b, q_idx]) | ~valid[b, q_idx]
+            )
         return step0 | ((step > 0) & (position == q_idx))
 
     block_mask = create_block_mask(

@@ -48,6 +48,9 @@ class TTTBatch:
     loss_mask_BT: torch.Tensor  # bool: supervised (assistant) token
     aux_BTA: torch.Tensor  # concat of the three target aux hidden states
     teacher: Teacher
+    # Packed rows: the document of each position, and positions restarting at 0 per document.
+    document_ids_BT: torch.Tensor | None = None
+    position_ids_BT: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,11 +71,19 @@ def shift_left(x_BT: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def counted_positions(
-    loss_mask_BT: torch.Tensor, valid_BT: torch.Tensor, in_draft_BT: torch.Tensor, step: int
+    loss_mask_BT: torch.Tensor,
+    valid_BT: torch.Tensor,
+    in_draft_BT: torch.Tensor,
+    step: int,
+    document_ids_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bool [B, T]: positions t whose step-``step`` prediction of x_{t+2+step} enters the loss."""
+    """Bool [B, T]: positions t whose step-``step`` prediction of x_{t+2+step} enters the loss
+    (in packed rows x_{t+2+step} must also belong to t's document)."""
     supervised = shift_left(loss_mask_BT.bool() & valid_BT.bool(), 2 + step)
-    return supervised & shift_left(in_draft_BT.bool(), 1 + step)
+    counted = supervised & shift_left(in_draft_BT.bool(), 1 + step)
+    if document_ids_BT is not None:
+        counted &= shift_left(document_ids_BT, 2 + step) == document_ids_BT
+    return counted
 
 
 def count_positions(batch: TTTBatch, ttt_length: int) -> torch.Tensor:
@@ -80,7 +91,11 @@ def count_positions(batch: TTTBatch, ttt_length: int) -> torch.Tensor:
     return torch.stack(
         [
             counted_positions(
-                batch.loss_mask_BT, batch.valid_BT, batch.teacher.in_draft_BT, i
+                batch.loss_mask_BT,
+                batch.valid_BT,
+                batch.teacher.in_draft_BT,
+                i,
+                batch.document_ids_BT,
             ).sum()
             for i in range(ttt_length)
         ]
@@ -93,6 +108,7 @@ def draft_step(
     hidden_BTH: torch.Tensor,
     position_ids_BT: torch.Tensor,
     valid_BT: torch.Tensor | None,
+    document_ids_BT: torch.Tensor | None,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     attention: AttentionBackend = AttentionBackend.eager,
@@ -105,7 +121,7 @@ def draft_step(
     q, k, v = layer.self_attn.project(x_BTX, cos, sin)
     keys.append(k)
     values.append(v)
-    attn = layer.self_attn.o_proj(ATTENTION[attention](q, keys, values, valid_BT))
+    attn = layer.self_attn.o_proj(ATTENTION[attention](q, keys, values, valid_BT, document_ids_BT))
     hidden_BTH = hidden_BTH + attn
     return hidden_BTH + layer.mlp(layer.post_attention_layernorm(hidden_BTH))
 
@@ -134,7 +150,9 @@ def ttt_forward(
     input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
     teacher = batch.teacher
     seq = input_ids.shape[1]
-    positions_BT = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+    positions_BT = batch.position_ids_BT
+    if positions_BT is None:
+        positions_BT = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
     attention_valid = None if bool(valid.all()) else valid  # None: no padding to mask
     hidden_BTH = draft.fc(batch.aux_BTA.to(draft.fc.weight.dtype))
     keys: list[torch.Tensor] = []
@@ -148,11 +166,14 @@ def ttt_forward(
             hidden_BTH,
             positions_BT + step,
             attention_valid,
+            batch.document_ids_BT,
             keys,
             values,
             attention,
         )
-        counted_BT = counted_positions(batch.loss_mask_BT, valid, teacher.in_draft_BT, step)
+        counted_BT = counted_positions(
+            batch.loss_mask_BT, valid, teacher.in_draft_BT, step, batch.document_ids_BT
+        )
         rows, cols = counted_BT.nonzero(as_tuple=True)
         loss_sum, draft_argmax_n = chunked_soft_cross_entropy(
             draft.norm(hidden_BTH[rows, cols]),
