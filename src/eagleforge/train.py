@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
-from eagleforge.data.dataset import Collator, build_datasets
+from eagleforge.data.dataset import build_datasets, make_loader
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import exit_on_user_error
@@ -92,28 +92,22 @@ def run(cfg: DictConfig) -> TrainResult:
     draft_ids_W, t2d_V = vocab.draft_ids_W.to(device), vocab.t2d_V.to(device)
 
     trainer_cfg = config.trainer
-    collate = Collator(
+    pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
 
     def train_loader(epoch: int) -> torch.utils.data.DataLoader:
-        order = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)
-        return torch.utils.data.DataLoader(
-            train_set,
-            batch_size=trainer_cfg.batch_size,
-            shuffle=True,
-            generator=order,
-            collate_fn=collate,
+        seed = config.seed * 1_000_003 + epoch
+        return make_loader(
+            train_set, config.data, trainer_cfg.batch_size, pad_id, shuffle_seed=seed
         )
 
     eval_loader = (
-        torch.utils.data.DataLoader(eval_set, batch_size=trainer_cfg.batch_size, collate_fn=collate)
+        make_loader(eval_set, config.data, trainer_cfg.batch_size, pad_id)
         if eval_set is not None
         else None
     )
-    steps_per_epoch = math.ceil(
-        len(train_set) / (trainer_cfg.batch_size * trainer_cfg.grad_accum_steps)
-    )
+    steps_per_epoch = math.ceil(len(train_loader(0)) / trainer_cfg.grad_accum_steps)
     max_num_steps = trainer_cfg.max_num_steps or trainer_cfg.num_epochs * steps_per_epoch
     optimizer, scheduler = build_optimizer(config.optimizer, draft, max_num_steps)
 

@@ -87,6 +87,10 @@ class DataConfig:
     on_error: OnError = OnError.raise_
     # Processes used for preprocessing.
     num_proc: int = 1
+    # Pack several conversations into each row (attention never crosses them) instead of padding.
+    packing: bool = False
+    # Token budget of one packed row (with packing=true); at least max_length.
+    max_tokens_per_batch: int = 4096
 
     def __post_init__(self) -> None:
         if self.format != DataFormat.chitchat and not self.path:
@@ -103,6 +107,11 @@ class DataConfig:
         if self.template != "auto" and self.template not in TEMPLATES:
             raise ConfigError(
                 f"data.template={self.template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}."
+            )
+        if self.packing and self.max_tokens_per_batch < self.max_length:
+            raise ConfigError(
+                f"data.max_tokens_per_batch={self.max_tokens_per_batch} must be >= data.max_length="
+                f"{self.max_length} so that every sample fits in a packed row."
             )
         if self.preformatted and self.format == DataFormat.chitchat:
             raise ConfigError(
@@ -477,3 +486,64 @@ class Collator:
             attention[row, : len(ids)] = True
             loss_mask[row, : len(mask)] = torch.as_tensor(mask, dtype=torch.bool)
         return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def pack_indices(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy packing: consecutive samples of ``order`` share a row while they fit ``max_tokens``."""
+    rows: list[list[int]] = []
+    row: list[int] = []
+    used = 0
+    for index in order:
+        if row and used + lengths[index] > max_tokens:
+            rows.append(row)
+            row, used = [], 0
+        row.append(index)
+        used += lengths[index]
+    if row:
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class PackedCollator:
+    """Concatenates samples into one row [1, L] with document_ids and per-document position_ids."""
+
+    def __call__(self, samples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+        ids = [torch.as_tensor(i) for i, _ in samples]
+        return {
+            "input_ids": torch.cat(ids).unsqueeze(0),
+            "attention_mask": torch.ones(1, sum(len(i) for i in ids), dtype=torch.bool),
+            "loss_mask": torch.cat(
+                [torch.as_tensor(m, dtype=torch.bool) for _, m in samples]
+            ).unsqueeze(0),
+            "document_ids": torch.cat(
+                [torch.full((len(i),), n) for n, i in enumerate(ids)]
+            ).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(len(i)) for i in ids]).unsqueeze(0),
+        }
+
+
+def make_loader(
+    dataset: TokenizedDataset,
+    cfg: DataConfig,
+    batch_size: int,
+    pad_token_id: int,
+    shuffle_seed: int | None = None,
+) -> torch.utils.data.DataLoader:
+    """Batches of padded samples, or (``data.packing``) one packed row of whole samples per batch.
+
+    ``shuffle_seed``: the order is a seeded permutation (one per epoch); None keeps file order.
+    """
+    order = list(range(len(dataset)))
+    if shuffle_seed is not None:
+        order = torch.randperm(
+            len(dataset), generator=torch.Generator().manual_seed(shuffle_seed)
+        ).tolist()
+    if not cfg.packing:
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=batches, collate_fn=Collator(pad_token_id)
+        )
+    lengths = [len(ids) for ids in dataset.input_ids]
+    rows = pack_indices(lengths, order, cfg.max_tokens_per_batch)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=rows, collate_fn=PackedCollator())

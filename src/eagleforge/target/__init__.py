@@ -41,7 +41,11 @@ class TargetBackend(Protocol):
     aux_layer_ids: list[int]
 
     def forward(
-        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        document_ids_BT: torch.Tensor | None = None,
+        position_ids_BT: torch.Tensor | None = None,
     ) -> TargetOutput: ...
 
     def input_embedding(self) -> torch.Tensor: ...

@@ -78,10 +78,29 @@ class HFTarget:
         return hook
 
     @torch.no_grad()
-    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> TargetOutput:
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        document_ids_BT: torch.Tensor | None = None,
+        position_ids_BT: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Aux and final hidden states; packed rows (``document_ids_BT``) get a block-diagonal
+        causal mask and per-document positions, so documents never see each other."""
         self._captured.clear()
         base = self.model.get_decoder()
-        out = base(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+        mask: torch.Tensor = attention_mask_BT
+        if document_ids_BT is not None:
+            seq = input_ids_BT.shape[1]
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=input_ids_BT.device).tril()
+            same_document = document_ids_BT.unsqueeze(2) == document_ids_BT.unsqueeze(1)
+            mask = (causal & same_document).unsqueeze(1)
+        out = base(
+            input_ids=input_ids_BT,
+            attention_mask=mask,
+            position_ids=position_ids_BT,
+            use_cache=False,
+        )
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         self._captured.clear()
         return TargetOutput(aux_BTA=aux, final_hidden_BTH=out.last_hidden_state)

@@ -57,7 +57,8 @@ def teacher_batch(
     chunk_size: int,
 ) -> TTTBatch:
     """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``)."""
-    out = target.forward(batch["input_ids"], batch["attention_mask"])
+    document_ids, position_ids = batch.get("document_ids"), batch.get("position_ids")
+    out = target.forward(batch["input_ids"], batch["attention_mask"], document_ids, position_ids)
     # The teacher at position p is only ever used to predict a supervised token x_{p+1}.
     needed_BT = shift_left(batch["loss_mask"] & batch["attention_mask"], 1)
     teacher = compute_teacher(
@@ -69,4 +70,6 @@ def teacher_batch(
         loss_mask_BT=batch["loss_mask"],
         aux_BTA=out.aux_BTA,
         teacher=teacher,
+        document_ids_BT=document_ids,
+        position_ids_BT=position_ids,
     )
