@@ -42,6 +42,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="eager")
     p.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share of each row")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="pack conversations of mixed lengths (log-normal, median ~T/6) into the row",
+    )
     p.add_argument("--json", action="store_true", help="also print one JSON line")
     return p.parse_args()
 
@@ -72,6 +77,16 @@ def step_flops_per_token(args: argparse.Namespace, counted_frac: float) -> float
     return 3 * draft_forward + teacher
 
 
+def pack_lengths(total: int, seed: int = 0) -> list[int]:
+    """Conversation lengths of a realistic mix (log-normal, median total/6) filling ``total``."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        n = int(torch.exp(torch.randn((), generator=generator) * 0.8).item() * total / 6)
+        lengths.append(min(max(16, n), total - sum(lengths)))
+    return lengths
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -94,8 +109,17 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
 
     input_ids = draft_ids[torch.randint(0, args.draft_vocab, (1, t))]
+    document_ids = position_ids = None
     loss_mask = torch.ones(1, t, dtype=torch.bool)
-    loss_mask[:, : int(args.prompt_frac * t)] = False
+    if args.packing:
+        lengths = pack_lengths(t)
+        document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).unsqueeze(0)
+        position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        loss_mask = position_ids >= (
+            args.prompt_frac * torch.tensor(lengths).repeat_interleave(torch.tensor(lengths))
+        )
+    else:
+        loss_mask[:, : int(args.prompt_frac * t)] = False
     valid = torch.ones(1, t, dtype=torch.bool)
     aux = torch.randn(1, t, 3 * h, dtype=dtype)
     final_hidden = torch.randn(1, t, h, dtype=dtype)
@@ -109,7 +133,7 @@ def main() -> None:
         needed = torch.zeros_like(loss_mask)
         needed[:, :-1] = loss_mask[:, 1:]
         teacher = compute_teacher(final_hidden, lm_head, draft_ids, t2d, 1024, needed)
-        batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher)
+        batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
         optimizer.zero_grad(set_to_none=True)
         stats = ttt_forward(
             draft, batch, args.ttt_length, attention=AttentionBackend(args.attention)
@@ -123,13 +147,15 @@ def main() -> None:
     needed = torch.zeros_like(loss_mask)
     needed[:, :-1] = loss_mask[:, 1:]
     teacher = compute_teacher(final_hidden, lm_head, draft_ids, t2d, 1024, needed)
-    counts = count_positions(TTTBatch(input_ids, valid, loss_mask, aux, teacher), args.ttt_length)
+    batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
+    counts = count_positions(batch, args.ttt_length)
     counted_frac = float(counts.float().mean()) / t
     flops = step_flops_per_token(args, counted_frac)
     rate = matmul_gflops(dtype)
     result = {
         "bench": "ttt_step",
-        "shape": f"h{h}-v{args.vocab}-dv{args.draft_vocab}-t{t}",
+        "shape": f"h{h}-v{args.vocab}-dv{args.draft_vocab}-t{t}"
+        + ("-packed" if args.packing else ""),
         "attention": args.attention,
         "dtype": args.dtype,
         "threads": args.threads,
