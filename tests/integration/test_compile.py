@@ -10,8 +10,6 @@ import torch
 
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import (
-    Teacher,
-    TTTBatch,
     count_positions,
     step_weights,
     ttt_forward,
@@ -19,31 +17,15 @@ from eagleforge.draft.ttt import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from tiny_drafts import tiny_draft  # noqa: E402
+from tiny_drafts import random_batch, tiny_draft  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 
 def test_compiled_step_matches_eager_mode() -> None:
-    generator = torch.Generator().manual_seed(0)
     draft = tiny_draft()
-    arch = draft.arch
-    batch, seq, steps = 2, 12, 2
-    valid = torch.ones(batch, seq, dtype=torch.bool)
-    valid[1, 9:] = False
-    data = TTTBatch(
-        input_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
-        valid_BT=valid,
-        loss_mask_BT=torch.ones(batch, seq, dtype=torch.bool),
-        aux_BTA=torch.randn(batch, seq, 3 * arch.target_hidden_size, generator=generator),
-        teacher=Teacher(
-            probs_BTW=torch.softmax(
-                torch.randn(batch, seq, arch.draft_vocab_size, generator=generator), -1
-            ),
-            target_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
-            in_draft_BT=torch.ones(batch, seq, dtype=torch.bool),
-        ),
-    )
+    steps = 2
+    data = random_batch(draft.arch, seed=0, padded_row=1, real_length=9)
     results = []
     for compile_ in (False, True):
         draft.zero_grad(set_to_none=True)

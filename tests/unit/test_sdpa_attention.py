@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_drafts import tiny_draft
+from tiny_drafts import random_batch, tiny_draft
 
 from eagleforge.draft.attention import eager_ttt_attention, sdpa_ttt_attention
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import (
-    Teacher,
-    TTTBatch,
     count_positions,
     step_weights,
     ttt_forward,
@@ -58,25 +56,8 @@ def test_sdpa_matches_eager(steps: int, heads: int, kv_heads: int, padded: bool)
 
 def test_ttt_forward_sdpa_equals_eager() -> None:
     """The whole unrolled TTT (loss sums, counts, correct) and the draft gradients agree."""
-    generator = torch.Generator().manual_seed(3)
     draft = tiny_draft(seed=1)
-    arch = draft.arch
-    batch, seq = 2, 12
-    valid = torch.ones(batch, seq, dtype=torch.bool)
-    valid[0, 9:] = False
-    batch_ = TTTBatch(
-        input_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
-        valid_BT=valid,
-        loss_mask_BT=torch.rand(batch, seq, generator=generator) > 0.3,
-        aux_BTA=torch.randn(batch, seq, 3 * arch.target_hidden_size, generator=generator),
-        teacher=Teacher(
-            probs_BTW=torch.softmax(
-                torch.randn(batch, seq, arch.draft_vocab_size, generator=generator), -1
-            ),
-            target_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
-            in_draft_BT=torch.ones(batch, seq, dtype=torch.bool),
-        ),
-    )
+    batch_ = random_batch(draft.arch, seed=3, padded_row=0, real_length=9, supervised_share=0.7)
     results = {}
     for backend in (AttentionBackend.eager, AttentionBackend.sdpa):
         draft.zero_grad(set_to_none=True)

@@ -1,10 +1,12 @@
-"""A tiny hand-sized draft shared by the TTT unit tests (H=16, 2 heads, 1 kv head, V=50, W=20)."""
+"""A tiny hand-sized draft (H=16, 2 heads, 1 kv head, V=50, W=20) and random batches for it,
+shared by the TTT tests."""
 
 from __future__ import annotations
 
 import torch
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.draft.ttt import Teacher, TTTBatch
 
 
 def tiny_arch() -> DraftArchitecture:
@@ -38,3 +40,30 @@ def tiny_draft(seed: int = 0) -> Eagle3Draft:
     t2d[kept] = True
     draft.set_vocab_map(kept - torch.arange(arch.draft_vocab_size), t2d)
     return draft
+
+
+def random_batch(
+    arch: DraftArchitecture,
+    seed: int,
+    padded_row: int,
+    real_length: int,
+    supervised_share: float = 1.0,
+) -> TTTBatch:
+    """A random [2, 12] TTTBatch for ``arch`` whose row ``padded_row`` ends after ``real_length``."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, seq = 2, 12
+    valid = torch.ones(batch, seq, dtype=torch.bool)
+    valid[padded_row, real_length:] = False
+    return TTTBatch(
+        input_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
+        valid_BT=valid,
+        loss_mask_BT=torch.rand(batch, seq, generator=generator) < supervised_share,
+        aux_BTA=torch.randn(batch, seq, 3 * arch.target_hidden_size, generator=generator),
+        teacher=Teacher(
+            probs_BTW=torch.softmax(
+                torch.randn(batch, seq, arch.draft_vocab_size, generator=generator), -1
+            ),
+            target_ids_BT=torch.randint(0, arch.vocab_size, (batch, seq), generator=generator),
+            in_draft_BT=torch.ones(batch, seq, dtype=torch.bool),
+        ),
+    )
