@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
-from eagleforge.data.dataset import build_datasets, make_loader
+from eagleforge.data.dataset import TokenizedDataset, build_datasets, make_loader
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import exit_on_user_error
@@ -95,18 +95,26 @@ def run(cfg: DictConfig) -> TrainResult:
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
+    packing = (
+        config.data.packing if config.data.packing is not None else config.target.supports_packing()
+    )
+    if packing:
+        log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
 
-    def train_loader(epoch: int) -> torch.utils.data.DataLoader:
-        seed = config.seed * 1_000_003 + epoch
+    def loader(dataset: TokenizedDataset, shuffle_seed: int | None) -> torch.utils.data.DataLoader:
         return make_loader(
-            train_set, config.data, trainer_cfg.batch_size, pad_id, shuffle_seed=seed
+            dataset,
+            packing,
+            config.data.max_tokens_per_batch,
+            trainer_cfg.batch_size,
+            pad_id,
+            shuffle_seed,
         )
 
-    eval_loader = (
-        make_loader(eval_set, config.data, trainer_cfg.batch_size, pad_id)
-        if eval_set is not None
-        else None
-    )
+    def train_loader(epoch: int) -> torch.utils.data.DataLoader:
+        return loader(train_set, shuffle_seed=config.seed * 1_000_003 + epoch)
+
+    eval_loader = loader(eval_set, shuffle_seed=None) if eval_set is not None else None
     steps_per_epoch = math.ceil(len(train_loader(0)) / trainer_cfg.grad_accum_steps)
     max_num_steps = trainer_cfg.max_num_steps or trainer_cfg.num_epochs * steps_per_epoch
     optimizer, scheduler = build_optimizer(config.optimizer, draft, max_num_steps)

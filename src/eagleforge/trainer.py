@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class TrainerConfig:
     """The `trainer` config section."""
 
-    # Sequences per micro-batch.
+    # Sequences per micro-batch when not packing (with packing a micro-batch is one packed row).
     batch_size: int = 1
     # Micro-batches per optimizer step (gradient accumulation).
     grad_accum_steps: int = 1

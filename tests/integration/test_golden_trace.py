@@ -25,7 +25,7 @@ def test_tiny_loss_trace_matches_golden(tmp_path: Path) -> None:
         "data.max_num_samples=60",
         "data.num_eval_samples=0",
         "data.max_length=64",
-        "trainer.batch_size=2",
+        "data.max_tokens_per_batch=128",
         "trainer.max_num_steps=8",
         "trainer.progress_bar=false",
         "optimizer.lr=3e-3",

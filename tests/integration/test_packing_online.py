@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagleforge.config import compose_config, to_typed
-from eagleforge.data.dataset import DataConfig, TokenizedDataset, make_loader, pack_indices
+from eagleforge.data.dataset import TokenizedDataset, make_loader, pack_indices
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig, Eagle3Draft
 from eagleforge.draft.ttt import count_positions, ttt_forward
 from eagleforge.target import TargetConfig
@@ -52,10 +52,9 @@ def test_packed_and_padded_batches_give_the_same_loss(cache_dir: Path) -> None:
     draft_ids, t2d = torch.arange(vocab), torch.ones(vocab, dtype=torch.bool)
     stats = {}
     for packing in (False, True):
-        data_cfg = DataConfig(
-            name="t", format="chitchat", packing=packing, max_length=64, max_tokens_per_batch=64
+        (batch,) = list(
+            make_loader(dataset, packing, max_tokens_per_batch=64, batch_size=3, pad_token_id=0)
         )
-        (batch,) = list(make_loader(dataset, data_cfg, batch_size=3, pad_token_id=0))
         ttt_batch = teacher_batch(target, batch, draft_ids, t2d, chunk_size=16)
         with torch.no_grad():
             stats[packing] = (

@@ -87,9 +87,11 @@ class DataConfig:
     on_error: OnError = OnError.raise_
     # Processes used for preprocessing.
     num_proc: int = 1
-    # Pack several conversations into each row (attention never crosses them) instead of padding.
-    packing: bool = False
-    # Token budget of one packed row (with packing=true); at least max_length.
+    # Pack whole conversations into rows instead of padding (a micro-batch is then one row of
+    # max_tokens_per_batch tokens and trainer.batch_size is unused); null = when the target
+    # backend supports it.
+    packing: bool | None = None
+    # Token budget of one packed row (tokens per micro-batch with packing); at least max_length.
     max_tokens_per_batch: int = 4096
 
     def __post_init__(self) -> None:
@@ -108,7 +110,7 @@ class DataConfig:
             raise ConfigError(
                 f"data.template={self.template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}."
             )
-        if self.packing and self.max_tokens_per_batch < self.max_length:
+        if self.packing is not False and self.max_tokens_per_batch < self.max_length:
             raise ConfigError(
                 f"data.max_tokens_per_batch={self.max_tokens_per_batch} must be >= data.max_length="
                 f"{self.max_length} so that every sample fits in a packed row."
@@ -525,12 +527,14 @@ class PackedCollator:
 
 def make_loader(
     dataset: TokenizedDataset,
-    cfg: DataConfig,
+    packing: bool,
+    max_tokens_per_batch: int,
     batch_size: int,
     pad_token_id: int,
     shuffle_seed: int | None = None,
 ) -> torch.utils.data.DataLoader:
-    """Batches of padded samples, or (``data.packing``) one packed row of whole samples per batch.
+    """Batches of ``batch_size`` padded samples, or with ``packing`` one row of whole samples
+    up to ``max_tokens_per_batch`` tokens per batch.
 
     ``shuffle_seed``: the order is a seeded permutation (one per epoch); None keeps file order.
     """
@@ -539,11 +543,11 @@ def make_loader(
         order = torch.randperm(
             len(dataset), generator=torch.Generator().manual_seed(shuffle_seed)
         ).tolist()
-    if not cfg.packing:
+    if not packing:
         batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         return torch.utils.data.DataLoader(
             dataset, batch_sampler=batches, collate_fn=Collator(pad_token_id)
         )
     lengths = [len(ids) for ids in dataset.input_ids]
-    rows = pack_indices(lengths, order, cfg.max_tokens_per_batch)
+    rows = pack_indices(lengths, order, max_tokens_per_batch)
     return torch.utils.data.DataLoader(dataset, batch_sampler=rows, collate_fn=PackedCollator())

@@ -28,6 +28,13 @@ class TargetConfig:
     # Positions per chunk when computing the teacher through the lm_head (bounds [chunk, V] fp32).
     teacher_chunk_size: int = 1024
 
+    def supports_packing(self) -> bool:
+        """Packed rows need a block-diagonal mask, which these attention implementations take."""
+        return self.backend == TargetBackendKind.hf and self.attn_implementation in (
+            "sdpa",
+            "eager",
+        )
+
 
 @dataclass
 class TargetOutput:
