@@ -30,7 +30,7 @@ def bench_pipeline(tokenizer, rows: int, num_proc: int) -> dict[str, float | int
     )
     renderer = make_renderer("auto", tokenizer)
     start = time.perf_counter()
-    dataset, report, _ = preprocess_rows(
+    dataset, report = preprocess_rows(
         read_rows(DataFormat.chitchat, []),
         renderer,
         tokenizer,

@@ -272,12 +272,11 @@ def preprocess_rows(
     num_proc: int = 1,
     limit: int | None = None,
     desc: str = "preprocess",
-) -> tuple[TokenizedDataset, DataReport, list[str]]:
-    """Render + tokenize every row; returns the dataset, the report and each kept row's location."""
+) -> tuple[TokenizedDataset, DataReport]:
+    """Render + tokenize every row; returns the dataset and the report."""
     report, skipped = DataReport(), Counter[str]()
     input_ids: list[list[int]] = []
     loss_mask: list[list[int]] = []
-    wheres: list[str] = []
     pool = None
     if num_proc > 1:
         # fork: workers inherit the tokenizer and renderer without pickling them; a worker that
@@ -304,10 +303,9 @@ def preprocess_rows(
                             )
                         skipped[item.reason.value] += 1
                         continue
-                    where, ids, mask, truncated = item
+                    _, ids, mask, truncated = item
                     input_ids.append(ids)
                     loss_mask.append(mask)
-                    wheres.append(where)
                     report.truncated += int(truncated)
                     report.tokens += len(ids)
                     report.supervised_tokens += sum(mask)
@@ -317,7 +315,7 @@ def preprocess_rows(
             pool.shutdown(cancel_futures=True)
     report.kept = len(input_ids)
     report.skipped = dict(skipped)
-    return TokenizedDataset(input_ids, loss_mask), report, wheres
+    return TokenizedDataset(input_ids, loss_mask), report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,12 +414,12 @@ def preprocess_source(
         fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn
     )
     renderer = make_renderer(cfg.template, tokenizer, cfg.preformatted)
-    dataset, report, _ = preprocess_rows(
+    dataset, report = preprocess_rows(
         read_rows(fmt, files), renderer, tokenizer, settings, cfg.on_error, cfg.num_proc, limit
     )
     if report.kept == 0:
         raise DataError(
-            f"{', '.join(map(str, files))}: no usable conversation ({report.summary()})."
+            f"{', '.join(map(str, files))}: no usable conversation ({report.summary()}); check the rows and data.format, or inspect them with python -m eagleforge.inspect_data."
         )
     write_atomically(entry, lambda out: _save(dataset, report, out), complete_marker="report.json")
     return dataset, report, entry

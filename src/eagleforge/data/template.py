@@ -17,7 +17,7 @@ tokenized and the reply generated token by token, no BPE merge crosses the bound
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import Any
 
 from eagleforge.data.conversations import Conversation, RowError, SkipReason
 from eagleforge.data.named_templates import TEMPLATES
@@ -28,12 +28,6 @@ _PROBE = "EAGLEFORGE_PROBE_REPLY"
 _PROBE_USER = "EAGLEFORGE_PROBE_USER"
 # Private-use code points: never produced by real text, survive any Jinja filter but trim.
 _SENTINEL = "\ue000{}\ue001"
-
-
-class Renderer(Protocol):
-    name: str
-
-    def render(self, messages: Conversation, where: str) -> Rendered: ...
 
 
 def end_of_turn_marker(tokenizer: Any) -> str:
@@ -204,7 +198,7 @@ class PreformattedText:
                 return end
             start = end + len(following[1])
 
-    def render(self, text: str, where: str) -> Rendered:  # type: ignore[override]
+    def render(self, text: str, where: str) -> Rendered:
         spans, cursor = [], 0
         while (found := self._next_start(text, cursor)) is not None:
             start = found[0] + len(found[1])

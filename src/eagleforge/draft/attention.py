@@ -25,6 +25,10 @@ import torch
 
 from eagleforge.errors import ConfigError
 
+SDPA_CPU_ONLY = (
+    "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
+)
+
 
 def ttt_attention_mask(
     valid_BT: torch.Tensor, num_steps: int, document_ids_BT: torch.Tensor | None = None
@@ -141,9 +145,7 @@ def sdpa_ttt_attention(
 ) -> torch.Tensor:
     """Same result as ``eager_ttt_attention`` without materialising the [T, steps*T] scores."""
     if q_BNTD.device.type != "cpu":  # also checked at config time (DraftConfig.attention_for)
-        raise ConfigError(
-            "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
-        )
+        raise ConfigError(SDPA_CPU_ONLY)
     batch, num_heads, seq, head_dim = q_BNTD.shape
     groups = num_heads // keys[0].shape[1]
 

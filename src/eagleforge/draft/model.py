@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagleforge.draft.attention import SDPA_CPU_ONLY
 from eagleforge.errors import ConfigError
 
 
@@ -55,9 +56,7 @@ class DraftConfig:
         if self.attention == AttentionBackend.auto:
             return AttentionBackend.sdpa if device.type == "cpu" else AttentionBackend.eager
         if self.attention == AttentionBackend.sdpa and device.type != "cpu":
-            raise ConfigError(
-                "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
-            )
+            raise ConfigError(SDPA_CPU_ONLY)
         if self.attention == AttentionBackend.flex and device.type != "cuda":
             raise ConfigError(
                 "draft.attention=flex trains on CUDA only (its CPU backward does not exist); "
