@@ -22,8 +22,9 @@ import time
 
 import torch
 
+from eagleforge.draft.loss import rows_per_chunk
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import TTTBatch, count_positions, step_weights, ttt_forward, weighted_loss
+from eagleforge.draft.ttt import TTTBatch, count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.target.teacher import compute_teacher
 
 
@@ -42,6 +43,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="eager")
     p.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share of each row")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--recompute-mlp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draft.recompute_mlp: recompute each step's MLP in backward (the default)",
+    )
     p.add_argument(
         "--packing",
         action="store_true",
@@ -62,8 +69,9 @@ def matmul_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> flo
 
 
 def step_flops_per_token(args: argparse.Namespace, counted_frac: float) -> float:
-    # counted_frac: share of positions whose loss counts (lm_head + loss run only there)
-    """Matmul FLOPs of one step per input token: forward x3 for backward, teacher forward only."""
+    """Useful matmul FLOPs of one step per input token: forward x3 for backward, the teacher
+    forward only; ``counted_frac`` is the share of positions where the lm_head and loss run.
+    Work recomputed in backward (``--recompute-mlp``) is not counted as useful."""
     h, i, t, k = args.hidden_size, args.intermediate_size, args.seq_len, args.ttt_length
     d = h // args.heads
     q_width, kv_width = args.heads * d, args.kv_heads * d
@@ -99,7 +107,7 @@ def main() -> None:
         rope_theta=10000.0, max_position_embeddings=4 * t, vocab_size=args.vocab,
         draft_vocab_size=args.draft_vocab, target_hidden_size=h, aux_layer_ids=[1, 2, 3],
     )  # fmt: skip
-    draft = Eagle3Draft(arch)
+    draft = Eagle3Draft(arch, recompute_mlp=args.recompute_mlp)
     draft.init_weights(0.02)
     draft_ids = torch.sort(torch.randperm(args.vocab)[: args.draft_vocab]).values
     t2d = torch.zeros(args.vocab, dtype=torch.bool)
@@ -132,13 +140,16 @@ def main() -> None:
         start = time.perf_counter()
         needed = torch.zeros_like(loss_mask)
         needed[:, :-1] = loss_mask[:, 1:]
-        teacher = compute_teacher(final_hidden, lm_head, draft_ids, t2d, 1024, needed)
+        teacher = compute_teacher(
+            final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab, 128 * 2**20), needed
+        )
         batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
         optimizer.zero_grad(set_to_none=True)
+        scale_k = loss_scales(count_positions(batch, args.ttt_length), weights)
         stats = ttt_forward(
-            draft, batch, args.ttt_length, attention=AttentionBackend(args.attention)
+            draft, batch, args.ttt_length, scale_k, attention=AttentionBackend(args.attention)
         )
-        weighted_loss(stats, count_positions(batch, args.ttt_length), weights).backward()
+        stats.loss.backward()
         optimizer.step()
         return time.perf_counter() - start
 
@@ -146,7 +157,9 @@ def main() -> None:
     seconds = statistics.median(step() for _ in range(args.steps))
     needed = torch.zeros_like(loss_mask)
     needed[:, :-1] = loss_mask[:, 1:]
-    teacher = compute_teacher(final_hidden, lm_head, draft_ids, t2d, 1024, needed)
+    teacher = compute_teacher(
+        final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab, 128 * 2**20), needed
+    )
     batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
     counts = count_positions(batch, args.ttt_length)
     counted_frac = float(counts.float().mean()) / t
@@ -157,6 +170,7 @@ def main() -> None:
         "shape": f"h{h}-v{args.vocab}-dv{args.draft_vocab}-t{t}"
         + ("-packed" if args.packing else ""),
         "attention": args.attention,
+        "recompute_mlp": args.recompute_mlp,
         "dtype": args.dtype,
         "threads": args.threads,
         "median_step_s": round(seconds, 4),

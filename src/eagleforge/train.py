@@ -84,7 +84,7 @@ def run(cfg: DictConfig) -> TrainResult:
         arch.draft_vocab_size,
         data.vocab_cache_file(cache_dir, arch.vocab_size, arch.draft_vocab_size),
     )
-    draft = Eagle3Draft(arch)
+    draft = Eagle3Draft(arch, recompute_mlp=config.draft.recompute_mlp)
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
     draft.load_embedding(target.input_embedding().detach().cpu())
     draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)

@@ -22,10 +22,10 @@ from eagleforge.draft.model import AttentionBackend, DraftConfig, Eagle3Draft
 from eagleforge.draft.ttt import (
     TTTBatch,
     count_positions,
+    loss_scales,
     simulated_acceptance_length,
     step_weights,
     ttt_forward,
-    weighted_loss,
 )
 from eagleforge.errors import ConfigError
 from eagleforge.tracking import Tracker
@@ -163,6 +163,7 @@ class Trainer:
     def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
         batches = [self.make_batch(b) for b in raw]
         global_counts_k = torch.stack([count_positions(b, self.ttt_length) for b in batches]).sum(0)
+        scale_k = loss_scales(global_counts_k, self.weights_k)
         sums = StepSums.zeros(self.ttt_length)
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
@@ -171,11 +172,11 @@ class Trainer:
                     self.draft,
                     batch,
                     self.ttt_length,
+                    scale_k,
                     attention=self.attention,
                     compile=self.compile,
                 )
-                loss = weighted_loss(stats, global_counts_k, self.weights_k)
-            loss.backward()
+            stats.loss.backward()
             sums.add(
                 stats.loss_sum_k,
                 stats.num_counted_k,

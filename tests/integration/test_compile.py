@@ -11,9 +11,9 @@ import torch
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import (
     count_positions,
+    loss_scales,
     step_weights,
     ttt_forward,
-    weighted_loss,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -29,8 +29,11 @@ def test_compiled_step_matches_eager_mode() -> None:
     results = []
     for compile_ in (False, True):
         draft.zero_grad(set_to_none=True)
-        stats = ttt_forward(draft, data, steps, attention=AttentionBackend.sdpa, compile=compile_)
-        weighted_loss(stats, count_positions(data, steps), step_weights(steps, 0.8)).backward()
+        scale_k = loss_scales(count_positions(data, steps), step_weights(steps, 0.8))
+        stats = ttt_forward(
+            draft, data, steps, scale_k, attention=AttentionBackend.sdpa, compile=compile_
+        )
+        stats.loss.backward()
         results.append(
             (
                 stats.loss_sum_k.detach(),

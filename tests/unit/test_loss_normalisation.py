@@ -12,12 +12,11 @@ from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
     Teacher,
     TTTBatch,
-    TTTStats,
     count_positions,
+    loss_scales,
     simulated_acceptance_length,
     step_weights,
     ttt_forward,
-    weighted_loss,
 )
 
 pytestmark = pytest.mark.unit
@@ -79,13 +78,13 @@ def collate(
 def loss_and_grads(
     draft: Eagle3Draft, micro_batches: list[TTTBatch]
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Accumulate weighted_loss over micro-batches with the step's global counts, as the trainer does."""
+    """Accumulate the scaled loss over micro-batches with the step's global counts, as the trainer does."""
     draft.zero_grad(set_to_none=True)
     global_counts = sum(count_positions(mb, STEPS) for mb in micro_batches)
     weights = step_weights(STEPS, 0.8)
     total = 0.0
     for mb in micro_batches:
-        loss = weighted_loss(ttt_forward(draft, mb, STEPS), global_counts, weights)
+        loss = ttt_forward(draft, mb, STEPS, loss_scales(global_counts, weights)).loss
         loss.backward()
         total += loss.item()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
@@ -106,15 +105,10 @@ def test_step_weights_are_powers_of_0_8() -> None:
     assert step_weights(1, 0.5).tolist() == [1.0]
 
 
-def test_weighted_loss_formula() -> None:
-    """weighted_loss = sum_i w_i * loss_sum_i / N_i, with N_i = 0 treated as 1 (no NaN)."""
-    stats = TTTStats(
-        loss_sum_k=torch.tensor([6.0, 4.0, 0.0]),
-        num_counted_k=torch.tensor([3, 2, 0]),
-        num_correct_k=torch.tensor([1, 1, 0]),
-    )
-    got = weighted_loss(stats, torch.tensor([12, 8, 0]), step_weights(3, 0.8))
-    assert got.item() == pytest.approx(1.0 * 6 / 12 + 0.8 * 4 / 8 + 0.0)
+def test_loss_scales_formula() -> None:
+    """scale_i = w_i / N_i, with N_i = 0 treated as 1 (no NaN)."""
+    got = loss_scales(torch.tensor([12, 8, 0]), step_weights(3, 0.8))
+    assert got.tolist() == pytest.approx([1.0 / 12, 0.8 / 8, 0.64])
 
 
 def test_extra_right_padding_changes_nothing() -> None:
@@ -164,9 +158,8 @@ def test_whole_batch_loss_is_per_token_mean() -> None:
     counts = count_positions(batch, STEPS)
     assert torch.equal(stats.num_counted_k, counts)
     expected = sum(0.8**i * stats.loss_sum_k[i].item() / counts[i].item() for i in range(STEPS))
-    assert weighted_loss(stats, counts, step_weights(STEPS, 0.8)).item() == pytest.approx(
-        expected, rel=1e-6
-    )
+    scaled = ttt_forward(draft, batch, STEPS, loss_scales(counts, step_weights(STEPS, 0.8)))
+    assert scaled.loss.item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_per_sequence_normalisation_would_differ() -> None:
@@ -178,11 +171,11 @@ def test_per_sequence_normalisation_would_differ() -> None:
     whole = collate(sequences)
     weights = step_weights(STEPS, 0.8)
     with torch.no_grad():
-        whole_loss = weighted_loss(
-            ttt_forward(draft, whole, STEPS), count_positions(whole, STEPS), weights
-        )
+        whole_loss = ttt_forward(
+            draft, whole, STEPS, loss_scales(count_positions(whole, STEPS), weights)
+        ).loss
         local_mean = sum(
-            weighted_loss(ttt_forward(draft, mb, STEPS), count_positions(mb, STEPS), weights)
+            ttt_forward(draft, mb, STEPS, loss_scales(count_positions(mb, STEPS), weights)).loss
             for mb in split
         ) / len(split)
     assert abs(local_mean.item() - whole_loss.item()) > 1e-3

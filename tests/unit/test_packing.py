@@ -13,9 +13,9 @@ from eagleforge.draft.ttt import (
     Teacher,
     TTTBatch,
     count_positions,
+    loss_scales,
     step_weights,
     ttt_forward,
-    weighted_loss,
 )
 
 pytestmark = pytest.mark.unit
@@ -77,8 +77,9 @@ def _packed(docs: list[dict[str, torch.Tensor]]) -> TTTBatch:
 
 def _run(batch: TTTBatch, attention: AttentionBackend):  # type: ignore[no-untyped-def]
     draft = tiny_draft(seed=3)
-    stats = ttt_forward(draft, batch, STEPS, attention=attention)
-    weighted_loss(stats, count_positions(batch, STEPS), step_weights(STEPS, 0.8)).backward()
+    scale_k = loss_scales(count_positions(batch, STEPS), step_weights(STEPS, 0.8))
+    stats = ttt_forward(draft, batch, STEPS, scale_k, attention=attention)
+    stats.loss.backward()
     grads = {n: p.grad for n, p in draft.named_parameters() if p.grad is not None}
     return stats, grads
 

@@ -10,9 +10,9 @@ from eagleforge.draft.attention import eager_ttt_attention, sdpa_ttt_attention
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import (
     count_positions,
+    loss_scales,
     step_weights,
     ttt_forward,
-    weighted_loss,
 )
 
 pytestmark = pytest.mark.unit
@@ -61,8 +61,9 @@ def test_ttt_forward_sdpa_equals_eager() -> None:
     results = {}
     for backend in (AttentionBackend.eager, AttentionBackend.sdpa):
         draft.zero_grad(set_to_none=True)
-        stats = ttt_forward(draft, batch_, 4, attention=backend)
-        weighted_loss(stats, count_positions(batch_, 4), step_weights(4, 0.8)).backward()
+        scale_k = loss_scales(count_positions(batch_, 4), step_weights(4, 0.8))
+        stats = ttt_forward(draft, batch_, 4, scale_k, attention=backend)
+        stats.loss.backward()
         grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
         results[backend] = (stats, grads)
     (eager, eager_grads), (sdpa, sdpa_grads) = (

@@ -90,50 +90,71 @@ class _MergedTTTAttention(torch.autograd.Function):
 
     Backward runs the flash backward with the *merged* output and log-sum-exp, which gives the
     exact gradients of the union attention with respect to the step-0 part; the diagonal part
-    is differentiated by hand. Extra memory is O(T * steps), never O(T^2).
+    is differentiated by hand. Keys and values stay in their K kv heads (the N = K * G query
+    heads are grouped, never the keys repeated), and the diagonal steps' keys are the tensors
+    the steps already hold: extra memory is O(T * steps), never O(T^2).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         q_BNTD: torch.Tensor,
-        k0_BNTD: torch.Tensor,
-        v0_BNTD: torch.Tensor,
-        kd_BNJTD: torch.Tensor,
-        vd_BNJTD: torch.Tensor,
+        k0_BKTD: torch.Tensor,
+        v0_BKTD: torch.Tensor,
         mask_B1TT: torch.Tensor | None,
+        *diagonal: torch.Tensor,  # keys of steps 1..J, then their values, each [B, K, T, D]
     ) -> torch.Tensor:
         scale = q_BNTD.shape[-1] ** -0.5
-        out0, lse0_BNT = _flash_cpu(q_BNTD, k0_BNTD, v0_BNTD, mask_B1TT)
-        scores_BNTJ = torch.einsum("bntd,bnjtd->bntj", q_BNTD.float(), kd_BNJTD.float()) * scale
-        lse_BNT = torch.logaddexp(lse0_BNT.float(), torch.logsumexp(scores_BNTJ, dim=-1))
-        weight0 = torch.exp(lse0_BNT.float() - lse_BNT).unsqueeze(-1)
-        probs_BNTJ = torch.exp(scores_BNTJ - lse_BNT.unsqueeze(-1))
-        out = weight0 * out0.float() + torch.einsum(
-            "bntj,bnjtd->bntd", probs_BNTJ, vd_BNJTD.float()
+        kd, vd = diagonal[: len(diagonal) // 2], diagonal[len(diagonal) // 2 :]
+        out0, lse0_BNT = _flash_cpu(q_BNTD, k0_BKTD, v0_BKTD, mask_B1TT)
+        q_BKGTD = _grouped(q_BNTD.float(), k0_BKTD.shape[1])
+        scores_BKGTJ = (
+            torch.stack([(q_BKGTD * k.float().unsqueeze(2)).sum(-1) * scale for k in kd], dim=-1)
+            if kd
+            else q_BKGTD.new_zeros(*q_BKGTD.shape[:-1], 0)
         )
-        out = out.to(q_BNTD.dtype)
-        ctx.save_for_backward(
-            q_BNTD, k0_BNTD, v0_BNTD, kd_BNJTD, vd_BNJTD, out, lse_BNT, probs_BNTJ
+        lse_BKGT = torch.logaddexp(
+            _grouped(lse0_BNT.float(), k0_BKTD.shape[1]), torch.logsumexp(scores_BKGTJ, dim=-1)
         )
+        probs_BKGTJ = torch.exp(scores_BKGTJ - lse_BKGT.unsqueeze(-1))
+        out = torch.exp(_grouped(lse0_BNT.float(), k0_BKTD.shape[1]) - lse_BKGT).unsqueeze(
+            -1
+        ) * _grouped(out0.float(), k0_BKTD.shape[1])
+        for j, v in enumerate(vd):
+            out += probs_BKGTJ[..., j, None] * v.float().unsqueeze(2)
+        out = out.flatten(1, 2).to(q_BNTD.dtype)
+        lse_BNT = lse_BKGT.flatten(1, 2)
+        ctx.save_for_backward(q_BNTD, k0_BKTD, v0_BKTD, out, lse_BNT, probs_BKGTJ, *diagonal)
         ctx.mask, ctx.scale = mask_B1TT, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k0, v0, kd, vd, out, lse, probs_BNTJ = ctx.saved_tensors
+        q, k0, v0, out, lse, probs_BKGTJ, *diagonal = ctx.saved_tensors
+        kd, vd = diagonal[: len(diagonal) // 2], diagonal[len(diagonal) // 2 :]
         grad_out = grad_out.contiguous()
         dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k0, v0, out, lse.to(q.dtype), 0.0, ctx.mask is None, attn_mask=ctx.mask
         )
-        g = grad_out.float()
-        delta_BNT = (g * out.float()).sum(-1)
-        dvd = torch.einsum("bntj,bntd->bnjtd", probs_BNTJ, g)
-        dprobs = torch.einsum("bntd,bnjtd->bntj", g, vd.float())
-        dscores = probs_BNTJ * (dprobs - delta_BNT.unsqueeze(-1)) * ctx.scale
-        dq = dq + torch.einsum("bntj,bnjtd->bntd", dscores, kd.float()).to(dq.dtype)
-        dkd = torch.einsum("bntj,bntd->bnjtd", dscores, q.float())
-        return dq, dk0, dv0, dkd.to(kd.dtype), dvd.to(vd.dtype), None
+        groups = k0.shape[1]
+        g_BKGTD = _grouped(grad_out.float(), groups)
+        q_BKGTD = _grouped(q.float(), groups)
+        delta_BKGT = (g_BKGTD * _grouped(out.float(), groups)).sum(-1)
+        dq_BKGTD = _grouped(dq.float(), groups)
+        dkd, dvd = [], []
+        for j, (k, v) in enumerate(zip(kd, vd, strict=True)):
+            p_BKGT = probs_BKGTJ[..., j]
+            dvd.append((p_BKGT.unsqueeze(-1) * g_BKGTD).sum(2).to(v.dtype))
+            dprobs_BKGT = (g_BKGTD * v.float().unsqueeze(2)).sum(-1)
+            dscores_BKGT = p_BKGT * (dprobs_BKGT - delta_BKGT) * ctx.scale
+            dq_BKGTD += dscores_BKGT.unsqueeze(-1) * k.float().unsqueeze(2)
+            dkd.append((dscores_BKGT.unsqueeze(-1) * q_BKGTD).sum(2).to(k.dtype))
+        return dq_BKGTD.flatten(1, 2).to(q.dtype), dk0, dv0, None, *dkd, *dvd
+
+
+def _grouped(x_BN: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, N, ...] -> [B, K, G, ...]: query heads grouped by the kv head they share."""
+    return x_BN.unflatten(1, (kv_heads, x_BN.shape[1] // kv_heads))
 
 
 def sdpa_ttt_attention(
@@ -147,18 +168,6 @@ def sdpa_ttt_attention(
     if q_BNTD.device.type != "cpu":  # also checked at config time (DraftConfig.attention_for)
         raise ConfigError(SDPA_CPU_ONLY)
     batch, num_heads, seq, head_dim = q_BNTD.shape
-    groups = num_heads // keys[0].shape[1]
-
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-    # diagonal keys of steps 1..i; a zero-width stack when only step 0 exists
-    kd = (
-        torch.stack([heads(k) for k in keys[1:]], dim=2)
-        if len(keys) > 1
-        else q_BNTD.new_zeros(batch, num_heads, 0, seq, head_dim)
-    )
-    vd = torch.stack([heads(v) for v in values[1:]], dim=2) if len(values) > 1 else kd
     mask = None
     if valid_BT is not None or document_ids_BT is not None:
         if valid_BT is None:
@@ -169,11 +178,11 @@ def sdpa_ttt_attention(
         )
     out = _MergedTTTAttention.apply(
         q_BNTD.contiguous(),
-        heads(keys[0]).contiguous(),
-        heads(values[0]).contiguous(),
-        kd,
-        vd,
+        keys[0].contiguous(),
+        values[0].contiguous(),
         mask,
+        *keys[1:],
+        *values[1:],
     )
     return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
 

@@ -1,12 +1,16 @@
 """The draft's lm_head + soft cross-entropy against the teacher, in chunks of rows.
 
 A plain implementation keeps, for every TTT step, the [n, W] fp32 logits and log-probs alive
-until backward: k copies of the largest tensors of the step. Here each chunk of rows goes
-through the lm_head, the loss, the argmax *and* the gradients at once, in the forward pass
-(the loss is always differentiated when gradients are on), so only the [n, H] and [W, H]
-gradients are kept. Numbers equal the plain computation to float tolerance.
+until backward, and autograd then builds one [W, H] lm_head gradient per step. Here the rows
+of *all* TTT steps go through one call: each chunk of rows gathers its teacher rows, goes
+through the lm_head, the loss, the argmax *and* the gradients at once, in the forward pass,
+and the gradients of the differentiable output -- Σ_rows scale_r · loss_r, with the step's
+loss weight and normaliser in ``scale`` -- are what is kept: one [n, H] tensor and a single
+[W, H] buffer. Transient memory is one chunk of [rows, W] fp32; numbers equal the plain
+computation to float tolerance.
 
-Shape suffixes: n counted positions, H draft hidden, W draft vocab.
+Shape suffixes: n rows (counted positions of all steps), H draft hidden, W draft vocab,
+M teacher rows (flattened batch positions).
 """
 
 from __future__ import annotations
@@ -15,22 +19,34 @@ from typing import Any
 
 import torch
 
+# Rows per chunk are chosen so that one [rows, W] fp32 tensor takes about this much memory;
+# a chunk holds three of them (logits, log-probs, teacher rows) at once.
+CHUNK_BYTES = 32 * 2**20
 
-class _ChunkedSoftCrossEntropy(torch.autograd.Function):
+
+def rows_per_chunk(width: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """How many [width] fp32 rows fit in ``chunk_bytes`` (at least 16)."""
+    return max(16, chunk_bytes // (4 * width))
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         hidden_nH: torch.Tensor,
         weight_WH: torch.Tensor,
-        target_probs_nW: torch.Tensor,
+        teacher_MW: torch.Tensor,
+        teacher_rows_n: torch.Tensor,
+        scale_n: torch.Tensor | None,
         chunk_size: int,
         with_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = hidden_nH.shape[0]
         # half-precision logits are upcast: the softmax over W terms needs fp32 at least
         compute = torch.promote_types(hidden_nH.dtype, torch.float32)
-        loss = torch.zeros((), dtype=compute, device=hidden_nH.device)
+        loss_n = torch.empty(rows, dtype=compute, device=hidden_nH.device)
         argmax_n = torch.empty(rows, dtype=torch.long, device=hidden_nH.device)
+        with_grad = with_grad and scale_n is not None
         grad_hidden = torch.empty_like(hidden_nH) if with_grad else None
         grad_weight = torch.zeros_like(weight_WH, dtype=compute) if with_grad else None
         for start in range(0, rows, chunk_size):
@@ -38,42 +54,65 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             h_cH = hidden_nH[start:end]
             logits_cW = (h_cH @ weight_WH.T).to(compute)
             log_probs_cW = torch.log_softmax(logits_cW, dim=-1)
-            p_cW = target_probs_nW[start:end]
-            loss -= (p_cW * log_probs_cW).sum()
             argmax_n[start:end] = logits_cW.argmax(dim=-1)
-            if grad_hidden is not None and grad_weight is not None:
-                # d/dlogits of -sum(p * log_softmax(z)) = softmax(z) * sum(p) - p
+            del logits_cW
+            p_cW = teacher_MW[teacher_rows_n[start:end]].to(compute)
+            loss_n[start:end] = -(p_cW * log_probs_cW).sum(-1)
+            if grad_hidden is not None and grad_weight is not None and scale_n is not None:
+                # d/dlogits of -sum(p * log_softmax(z)) = softmax(z) * sum(p) - p, times the scale
                 g_cW = log_probs_cW.exp_().mul_(p_cW.sum(-1, keepdim=True)).sub_(p_cW)
+                g_cW.mul_(scale_n[start:end, None].to(compute))
                 grad_hidden[start:end] = (g_cW.to(weight_WH.dtype) @ weight_WH).to(hidden_nH.dtype)
-                grad_weight += g_cW.T @ h_cH.to(compute)
+                grad_weight.addmm_(g_cW.T, h_cH.to(compute))
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))
         ctx.weight_dtype = weight_WH.dtype
-        ctx.mark_non_differentiable(argmax_n)
-        return loss, argmax_n
+        ctx.mark_non_differentiable(loss_n, argmax_n)
+        weighted = (
+            (loss_n * scale_n.to(compute)).sum()
+            if scale_n is not None
+            else torch.zeros((), dtype=compute, device=hidden_nH.device)
+        )
+        return weighted, loss_n, argmax_n
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_argmax: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_weighted: torch.Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
         if not ctx.saved_tensors:
-            raise RuntimeError("chunked_soft_cross_entropy was called without gradients enabled")
+            raise RuntimeError(
+                "soft_cross_entropy kept no gradients: give scale_n, with grad enabled"
+            )
         grad_hidden, grad_weight = ctx.saved_tensors
+        # in place: the [W, H] buffer is the largest tensor here (a second backward through
+        # this graph is refused by autograd's saved-tensor version check)
         return (
-            grad_hidden * grad_loss,
-            (grad_weight * grad_loss).to(ctx.weight_dtype),
+            grad_hidden.mul_(grad_weighted),
+            grad_weight.mul_(grad_weighted).to(ctx.weight_dtype),
+            None,
+            None,
             None,
             None,
             None,
         )
 
 
-def chunked_soft_cross_entropy(
+def soft_cross_entropy(
     hidden_nH: torch.Tensor,
     weight_WH: torch.Tensor,
-    target_probs_nW: torch.Tensor,
-    chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ_rows −Σ_v p(v)·log softmax(h·Wᵀ)(v), argmax of h·Wᵀ per row) without keeping [n, W] logits."""
+    teacher_MW: torch.Tensor,
+    teacher_rows_n: torch.Tensor,
+    scale_n: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row soft cross-entropy of ``softmax(h·Wᵀ)`` against ``teacher_MW[teacher_rows_n]``.
+
+    Returns ``(Σ_r scale_r · loss_r, loss_n, argmax_n)`` (the first is 0 without ``scale_n``).
+    Only the first is differentiable, and gradients are computed (in this forward pass) only
+    when ``scale_n`` is given and autograd is recording. ``loss_n`` and the argmax of the
+    logits per row are for metrics.
+    """
     with_grad = torch.is_grad_enabled() and (hidden_nH.requires_grad or weight_WH.requires_grad)
-    loss, argmax_n = _ChunkedSoftCrossEntropy.apply(
-        hidden_nH, weight_WH, target_probs_nW, chunk_size, with_grad
+    if chunk_size is None:
+        chunk_size = rows_per_chunk(weight_WH.shape[0])
+    weighted, loss_n, argmax_n = _SoftCrossEntropy.apply(
+        hidden_nH, weight_WH, teacher_MW, teacher_rows_n, scale_n, chunk_size, with_grad
     )
-    return loss, argmax_n
+    return weighted, loss_n, argmax_n

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from eagleforge.draft.attention import eager_ttt_attention, flex_ttt_attention, sdpa_ttt_attention
-from eagleforge.draft.loss import chunked_soft_cross_entropy
+from eagleforge.draft.loss import soft_cross_entropy
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
 
 ATTENTION = {
@@ -57,7 +57,8 @@ class TTTBatch:
 class TTTStats:
     """Per-step sums over one micro-batch; divide by global counts for the loss and accuracy."""
 
-    loss_sum_k: torch.Tensor  # soft cross-entropy summed over counted positions (has grad)
+    loss: torch.Tensor  # Σ_i scale_i · loss_sum_i, differentiable (0 without loss scales)
+    loss_sum_k: torch.Tensor  # soft cross-entropy summed over counted positions (detached)
     num_counted_k: torch.Tensor  # counted positions (long)
     num_correct_k: torch.Tensor  # counted positions where d2t(argmax draft) == target argmax
 
@@ -123,7 +124,7 @@ def draft_step(
     values.append(v)
     attn = layer.self_attn.o_proj(ATTENTION[attention](q, keys, values, valid_BT, document_ids_BT))
     hidden_BTH = hidden_BTH + attn
-    return hidden_BTH + layer.mlp(layer.post_attention_layernorm(hidden_BTH))
+    return hidden_BTH + layer.feed_forward(hidden_BTH)
 
 
 _compiled_draft_step: Any = None
@@ -142,11 +143,16 @@ def ttt_forward(
     draft: Eagle3Draft,
     batch: TTTBatch,
     ttt_length: int,
-    loss_chunk_size: int = 1024,
+    loss_scale_k: torch.Tensor | None = None,
     attention: AttentionBackend = AttentionBackend.eager,
     compile: bool = False,
+    loss_chunk_size: int | None = None,
 ) -> TTTStats:
-    """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts."""
+    """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts.
+
+    ``loss_scale_k`` (see ``loss_scales``) multiplies each step's loss sum in the differentiable
+    ``stats.loss``; without it (evaluation) no gradients are computed.
+    """
     input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
     teacher = batch.teacher
     seq = input_ids.shape[1]
@@ -157,7 +163,8 @@ def ttt_forward(
     hidden_BTH = draft.fc(batch.aux_BTA.to(draft.fc.weight.dtype))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    losses, counts, corrects = [], [], []
+    # Rows of every step's counted positions, for one lm_head + loss call after the loop.
+    normed_rows, teacher_rows, step_of_rows = [], [], []
     step_fn = compiled_draft_step() if compile else draft_step
     for step in range(ttt_length):
         hidden_BTH = step_fn(
@@ -175,17 +182,31 @@ def ttt_forward(
             batch.loss_mask_BT, valid, teacher.in_draft_BT, step, batch.document_ids_BT
         )
         rows, cols = counted_BT.nonzero(as_tuple=True)
-        loss_sum, draft_argmax_n = chunked_soft_cross_entropy(
-            draft.norm(hidden_BTH[rows, cols]),
-            draft.lm_head.weight,
-            teacher.probs_BTW[rows, cols + 1 + step],
-            loss_chunk_size,
-        )
-        losses.append(loss_sum)
-        predicted = draft.draft_to_target_ids(draft_argmax_n)
-        corrects.append((predicted == teacher.target_ids_BT[rows, cols + 1 + step]).sum())
-        counts.append(torch.tensor(rows.numel(), device=input_ids.device))
-    return TTTStats(torch.stack(losses), torch.stack(counts), torch.stack(corrects))
+        normed_rows.append(draft.norm(hidden_BTH[rows, cols]))
+        teacher_rows.append(rows * seq + cols + 1 + step)
+        step_of_rows.append(torch.full_like(rows, step))
+    step_n = torch.cat(step_of_rows)
+    teacher_n = torch.cat(teacher_rows)
+    loss, loss_n, draft_argmax_n = soft_cross_entropy(
+        torch.cat(normed_rows),
+        draft.lm_head.weight,
+        teacher.probs_BTW.flatten(0, 1),
+        teacher_n,
+        None if loss_scale_k is None else loss_scale_k.to(step_n.device)[step_n],
+        loss_chunk_size,
+    )
+    correct_n = (
+        draft.draft_to_target_ids(draft_argmax_n) == teacher.target_ids_BT.flatten()[teacher_n]
+    )
+    per_step = torch.zeros(ttt_length, dtype=torch.long, device=step_n.device)
+    return TTTStats(
+        loss=loss,
+        loss_sum_k=torch.zeros(ttt_length, dtype=loss_n.dtype, device=step_n.device).index_add_(
+            0, step_n, loss_n
+        ),
+        num_counted_k=per_step.index_add(0, step_n, torch.ones_like(step_n)),
+        num_correct_k=per_step.index_add(0, step_n, correct_n.long()),
+    )
 
 
 def step_weights(ttt_length: int, decay: float, device: torch.device | None = None) -> torch.Tensor:
@@ -193,15 +214,14 @@ def step_weights(ttt_length: int, decay: float, device: torch.device | None = No
     return decay ** torch.arange(ttt_length, dtype=torch.float32, device=device)
 
 
-def weighted_loss(
-    stats: TTTStats, global_counts_k: torch.Tensor, weights_k: torch.Tensor
-) -> torch.Tensor:
-    """Σ_i w_i · loss_sum_i / N_i, with N_i the counted positions of the whole optimizer step.
+def loss_scales(global_counts_k: torch.Tensor, weights_k: torch.Tensor) -> torch.Tensor:
+    """scale_i = w_i / N_i, with N_i the counted positions of the whole optimizer step.
 
-    Summing this over the micro-batches (and data-parallel ranks) of a step gives the global
-    token-normalised loss, whatever the padding or the split into micro-batches.
+    With these scales, ``ttt_forward(...).loss`` is Σ_i w_i · loss_sum_i / N_i; summing it over
+    the micro-batches (and data-parallel ranks) of a step gives the global token-normalised
+    loss, whatever the padding or the split into micro-batches.
     """
-    return (weights_k * stats.loss_sum_k / global_counts_k.clamp(min=1)).sum()
+    return weights_k / global_counts_k.clamp(min=1).to(weights_k.dtype)
 
 
 def simulated_acceptance_length(acc_k: list[float]) -> float:
