@@ -141,7 +141,7 @@ def main() -> None:
         needed = torch.zeros_like(loss_mask)
         needed[:, :-1] = loss_mask[:, 1:]
         teacher = compute_teacher(
-            final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab, 128 * 2**20), needed
+            final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab), needed
         )
         batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
         optimizer.zero_grad(set_to_none=True)
@@ -158,7 +158,7 @@ def main() -> None:
     needed = torch.zeros_like(loss_mask)
     needed[:, :-1] = loss_mask[:, 1:]
     teacher = compute_teacher(
-        final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab, 128 * 2**20), needed
+        final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab), needed
     )
     batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
     counts = count_positions(batch, args.ttt_length)

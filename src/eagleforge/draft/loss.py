@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 # Rows per chunk are chosen so that one [rows, W] fp32 tensor takes about this much memory;
-# a chunk holds three of them (logits, log-probs, teacher rows) at once.
+# a chunk holds two of them (logits turned log-probs turned gradient, and teacher rows).
 CHUNK_BYTES = 32 * 2**20
 
 
@@ -52,16 +52,19 @@ class _SoftCrossEntropy(torch.autograd.Function):
         for start in range(0, rows, chunk_size):
             end = min(start + chunk_size, rows)
             h_cH = hidden_nH[start:end]
-            logits_cW = (h_cH @ weight_WH.T).to(compute)
-            log_probs_cW = torch.log_softmax(logits_cW, dim=-1)
-            argmax_n[start:end] = logits_cW.argmax(dim=-1)
-            del logits_cW
+            # At most two [c, W] buffers live at once: the logits (turned into log-probs, then
+            # into the logit gradient, in place) and the teacher rows.
+            z_cW = (h_cH @ weight_WH.T).to(compute)
+            argmax_n[start:end] = z_cW.argmax(dim=-1)
+            z_cW.sub_(torch.logsumexp(z_cW, dim=-1, keepdim=True))
             p_cW = teacher_MW[teacher_rows_n[start:end]].to(compute)
-            loss_n[start:end] = -(p_cW * log_probs_cW).sum(-1)
+            # row-wise -sum(p * log_probs) as a batched dot product: no [c, W] product tensor
+            loss_n[start:end] = -(p_cW.unsqueeze(1) @ z_cW.unsqueeze(2)).view(-1)
             if grad_hidden is not None and grad_weight is not None and scale_n is not None:
                 # d/dlogits of -sum(p * log_softmax(z)) = softmax(z) * sum(p) - p, times the scale
-                g_cW = log_probs_cW.exp_().mul_(p_cW.sum(-1, keepdim=True)).sub_(p_cW)
+                g_cW = z_cW.exp_().mul_(p_cW.sum(-1, keepdim=True)).sub_(p_cW)
                 g_cW.mul_(scale_n[start:end, None].to(compute))
+                del p_cW
                 grad_hidden[start:end] = (g_cW.to(weight_WH.dtype) @ weight_WH).to(hidden_nH.dtype)
                 grad_weight.addmm_(g_cW.T, h_cH.to(compute))
         ctx.save_for_backward(*(t for t in (grad_hidden, grad_weight) if t is not None))

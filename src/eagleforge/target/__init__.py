@@ -25,8 +25,9 @@ class TargetConfig:
     backend: TargetBackendKind = TargetBackendKind.hf
     # transformers attention implementation of the target (sdpa | eager | flash_attention_2).
     attn_implementation: str = "sdpa"
-    # Positions per chunk when computing the teacher through the lm_head (bounds [chunk, V] fp32).
-    teacher_chunk_size: int = 1024
+    # Positions per chunk when computing the teacher through the lm_head (bounds the [chunk, V]
+    # fp32 logits); null = as many as fit in 32 MiB (262 for a 32k vocab, 65 for 128k).
+    teacher_chunk_size: int | None = None
 
     def supports_packing(self) -> bool:
         """Packed rows need a block-diagonal mask, which these attention implementations take."""

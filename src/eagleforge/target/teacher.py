@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from eagleforge.draft.loss import rows_per_chunk
 from eagleforge.draft.ttt import Teacher, TTTBatch, shift_left
 
 
@@ -19,10 +20,11 @@ def compute_teacher(
     lm_head_VH: torch.Tensor,
     draft_ids_W: torch.Tensor,
     t2d_V: torch.Tensor,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     needed_BT: torch.Tensor | None = None,
 ) -> Teacher:
-    """Teacher from the target's final hidden states, ``chunk_size`` positions at a time.
+    """Teacher from the target's final hidden states, ``chunk_size`` positions at a time
+    (default: as many as make 32 MiB of fp32 logits).
 
     Only positions in ``needed_BT`` (default: all) go through the lm_head; elsewhere the
     probabilities are zero and ``in_draft`` is False, so those positions never count.
@@ -30,6 +32,8 @@ def compute_teacher(
     batch, seq, hidden = final_hidden_BTH.shape
     if needed_BT is None:
         needed_BT = torch.ones(batch, seq, dtype=torch.bool, device=final_hidden_BTH.device)
+    if chunk_size is None:
+        chunk_size = rows_per_chunk(lm_head_VH.shape[0])
     rows_N = needed_BT.reshape(-1).nonzero().squeeze(1)
     flat_NH = final_hidden_BTH.reshape(batch * seq, hidden)
     probs_BTW = torch.zeros(
@@ -40,7 +44,9 @@ def compute_teacher(
         rows = rows_N[start : start + chunk_size]
         logits_CV = (flat_NH[rows] @ lm_head_VH.T).float()
         target_ids_BT[rows] = logits_CV.argmax(dim=-1)
-        probs_BTW[rows] = torch.softmax(logits_CV[:, draft_ids_W], dim=-1)
+        draft_logits_CW = logits_CV.index_select(1, draft_ids_W)
+        del logits_CV
+        probs_BTW[rows] = draft_logits_CW.sub_(draft_logits_CW.logsumexp(-1, keepdim=True)).exp_()
     needed_flat = needed_BT.reshape(-1)
     return Teacher(
         probs_BTW=probs_BTW.view(batch, seq, -1),
@@ -54,7 +60,7 @@ def teacher_batch(
     batch: dict[str, torch.Tensor],
     draft_ids_W: torch.Tensor,
     t2d_V: torch.Tensor,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> TTTBatch:
     """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``)."""
     document_ids, position_ids = batch.get("document_ids"), batch.get("position_ids")
