@@ -37,5 +37,6 @@ def test_backend_choice_per_device() -> None:
     assert DraftConfig(attention=AttentionBackend.flex).attention_for(cuda) == AttentionBackend.flex
     with pytest.raises(ConfigError, match="draft.attention=flex trains on CUDA only"):
         DraftConfig(attention=AttentionBackend.flex).attention_for(cpu)
-    with pytest.raises(ConfigError, match="draft.attention=sdpa runs on CPU"):
-        DraftConfig(attention=AttentionBackend.sdpa).attention_for(cuda)
+    assert DraftConfig(attention=AttentionBackend.sdpa).attention_for(cuda) == AttentionBackend.sdpa
+    with pytest.raises(ConfigError, match="draft.attention=flash runs on CUDA only"):
+        DraftConfig(attention=AttentionBackend.flash).attention_for(cpu)

@@ -25,8 +25,9 @@ import torch
 
 from eagleforge.errors import ConfigError
 
-SDPA_CPU_ONLY = (
-    "draft.attention=sdpa runs on CPU in this release; use draft.attention=eager on CUDA."
+FLASH_CUDA_ONLY = (
+    "draft.attention=flash runs on CUDA only (the flash-attn package); "
+    "use draft.attention=sdpa or auto on CPU."
 )
 
 
@@ -78,54 +79,193 @@ def eager_ttt_attention(
     return out_BNTD.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
 
 
-def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):  # type: ignore[no-untyped-def]
-    """Causal (or additively masked) attention with its log-sum-exp, PyTorch's CPU flash kernel."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, mask is None, attn_mask=mask
-    )
+class _CpuFlashKernel:
+    """Step-0 attention through PyTorch's CPU flash kernel (causal, or an additive mask).
+
+    Kernels work in [B, N, T, D] / [B, K, T, D] layout and return the log-sum-exp as [B, N, T].
+    """
+
+    def __init__(self, mask_B1TT: torch.Tensor | None) -> None:
+        self.mask = mask_B1TT
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # type: ignore[no-any-return]
+            q, k, v, 0.0, self.mask is None, attn_mask=self.mask
+        )
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse_BNT: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
+            grad_out, q, k, v, out, lse_BNT.to(q.dtype), 0.0, self.mask is None, attn_mask=self.mask
+        )
+
+
+class _VarlenFlashKernel:
+    """Step-0 attention on CUDA through a variable-length flash kernel: every document (packed
+    rows) or row (padded rows) is its own causal sequence, so neither padding nor document
+    boundaries need a mask. ``flash_attn=False`` uses the FlashAttention-2 kernel bundled with
+    PyTorch, ``True`` the flash-attn package. Both need fp16/bf16: fp32 inputs are computed in
+    bf16. Padding positions form their own sequences; their outputs are never used.
+    """
+
+    def __init__(
+        self,
+        q_BNTD: torch.Tensor,
+        valid_BT: torch.Tensor | None,
+        document_ids_BT: torch.Tensor | None,
+        use_flash_attn: bool,
+    ) -> None:
+        batch, _, seq, _ = q_BNTD.shape
+        # One key per sequence: (row, document), and (row, padding) for the padded tail.
+        slot_BT = torch.zeros(batch, seq, dtype=torch.long, device=q_BNTD.device)
+        if document_ids_BT is not None:
+            slot_BT = document_ids_BT.long() + 1
+        if valid_BT is not None:
+            slot_BT = torch.where(valid_BT.bool(), slot_BT, seq + 1)
+        rows_B1 = torch.arange(batch, device=q_BNTD.device).unsqueeze(1)
+        flat = (rows_B1 * (seq + 2) + slot_BT).reshape(-1)
+        starts = (flat[1:] != flat[:-1]).nonzero().squeeze(1) + 1
+        ends = torch.tensor([flat.numel()], device=flat.device)
+        self.cu_seqlens = torch.cat([starts.new_zeros(1), starts, ends]).to(torch.int32)
+        self.max_len = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        self.use_flash_attn = use_flash_attn
+        self.rng_state: Any = None
+
+    @staticmethod
+    def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+        """The flash kernels take fp16/bf16 only."""
+        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def _flat(self, x_BHTD: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, D] -> [B*T, H, D] in the kernel's dtype, as the varlen kernels take it."""
+        dtype = self.kernel_dtype(x_BHTD.dtype)
+        return x_BHTD.transpose(1, 2).flatten(0, 1).to(dtype).contiguous()
+
+    def _unflat(self, x_ZHD: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        batch, _, seq, _ = like.shape
+        return x_ZHD.unflatten(0, (batch, seq)).transpose(1, 2).to(like.dtype)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out_ZND, lse_NZ = self.varlen_forward(self._flat(q), self._flat(k), self._flat(v))
+        batch, _, seq, _ = q.shape
+        lse_BNT = lse_NZ.float().unflatten(1, (batch, seq)).transpose(0, 1)
+        return self._unflat(out_ZND, q), lse_BNT
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse_BNT: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lse_NZ = lse_BNT.float().transpose(0, 1).flatten(1).contiguous()
+        g, qf, kf, vf, of = (self._flat(x) for x in (grad_out, q, k, v, out))
+        dq, dk, dv = self.varlen_backward(g, qf, kf, vf, of, lse_NZ)
+        return self._unflat(dq, q), self._unflat(dk, k), self._unflat(dv, v)
+
+    # The kernel calls, in the varlen layout: q [Z, N, D], k and v [Z, K, D] (Z = B*T tokens),
+    # log-sum-exp [N, Z] fp32; causal within each sequence of ``cu_seqlens``.
+
+    def varlen_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = q.shape[-1] ** -0.5
+        cu, n = self.cu_seqlens, self.max_len
+        if self.use_flash_attn:
+            from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+            out, lse, _, self.rng_state = _flash_attn_varlen_forward(
+                q, k, v, cu, cu, n, n, dropout_p=0.0, softmax_scale=scale, causal=True,
+                window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                return_softmax=False,
+            )  # fmt: skip
+            return out, lse
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, n, n, 0.0, True, False, scale=scale
+        )
+        self.rng_state = (rng_state, unused)
+        return out, lse
+
+    def varlen_backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale = q.shape[-1] ** -0.5
+        cu, n = self.cu_seqlens, self.max_len
+        if self.use_flash_attn:
+            from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            _flash_attn_varlen_backward(
+                grad_out, q, k, v, out, lse, dq, dk, dv, cu, cu, n, n, dropout_p=0.0,
+                softmax_scale=scale, causal=True, window_size_left=-1, window_size_right=-1,
+                softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=self.rng_state,
+            )  # fmt: skip
+            return dq, dk, dv
+        rng_state, unused = self.rng_state
+        grads = torch.ops.aten._flash_attention_backward(
+            grad_out, q, k, v, out, lse, cu, cu, n, n, 0.0, True, rng_state, unused, scale=scale
+        )
+        return grads[0], grads[1], grads[2]
 
 
 class _MergedTTTAttention(torch.autograd.Function):
-    """Step-0 keys through the flash kernel, diagonal keys as dot products, merged by log-sum-exp.
+    """Step-0 keys through a flash kernel, diagonal keys as dot products, merged by log-sum-exp.
 
-    Backward runs the flash backward with the *merged* output and log-sum-exp, which gives the
-    exact gradients of the union attention with respect to the step-0 part; the diagonal part
-    is differentiated by hand. Keys and values stay in their K kv heads (the N = K * G query
-    heads are grouped, never the keys repeated), and the diagonal steps' keys are the tensors
-    the steps already hold: extra memory is O(T * steps), never O(T^2).
+    Backward runs the kernel's backward with the *merged* output and log-sum-exp, which gives
+    the exact gradients of the union attention with respect to the step-0 part; the diagonal
+    part is differentiated by hand. Keys and values stay in their K kv heads (the N = K * G
+    query heads are grouped, never the keys repeated), and the diagonal steps' keys are the
+    tensors the steps already hold: extra memory is O(T * steps), never O(T^2).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
+        kernel: _CpuFlashKernel | _VarlenFlashKernel,
         q_BNTD: torch.Tensor,
         k0_BKTD: torch.Tensor,
         v0_BKTD: torch.Tensor,
-        mask_B1TT: torch.Tensor | None,
         *diagonal: torch.Tensor,  # keys of steps 1..J, then their values, each [B, K, T, D]
     ) -> torch.Tensor:
         scale = q_BNTD.shape[-1] ** -0.5
+        kv_heads = k0_BKTD.shape[1]
         kd, vd = diagonal[: len(diagonal) // 2], diagonal[len(diagonal) // 2 :]
-        out0, lse0_BNT = _flash_cpu(q_BNTD, k0_BKTD, v0_BKTD, mask_B1TT)
-        q_BKGTD = _grouped(q_BNTD.float(), k0_BKTD.shape[1])
+        out0, lse0_BNT = kernel.forward(q_BNTD, k0_BKTD, v0_BKTD)
+        q_BKGTD = _grouped(q_BNTD.float(), kv_heads)
         scores_BKGTJ = (
             torch.stack([(q_BKGTD * k.float().unsqueeze(2)).sum(-1) * scale for k in kd], dim=-1)
             if kd
             else q_BKGTD.new_zeros(*q_BKGTD.shape[:-1], 0)
         )
-        lse_BKGT = torch.logaddexp(
-            _grouped(lse0_BNT.float(), k0_BKTD.shape[1]), torch.logsumexp(scores_BKGTJ, dim=-1)
-        )
+        lse0_BKGT = _grouped(lse0_BNT.float(), kv_heads)
+        lse_BKGT = torch.logaddexp(lse0_BKGT, torch.logsumexp(scores_BKGTJ, dim=-1))
         probs_BKGTJ = torch.exp(scores_BKGTJ - lse_BKGT.unsqueeze(-1))
-        out = torch.exp(_grouped(lse0_BNT.float(), k0_BKTD.shape[1]) - lse_BKGT).unsqueeze(
-            -1
-        ) * _grouped(out0.float(), k0_BKTD.shape[1])
+        out = torch.exp(lse0_BKGT - lse_BKGT).unsqueeze(-1) * _grouped(out0.float(), kv_heads)
         for j, v in enumerate(vd):
             out += probs_BKGTJ[..., j, None] * v.float().unsqueeze(2)
         out = out.flatten(1, 2).to(q_BNTD.dtype)
         lse_BNT = lse_BKGT.flatten(1, 2)
         ctx.save_for_backward(q_BNTD, k0_BKTD, v0_BKTD, out, lse_BNT, probs_BKGTJ, *diagonal)
-        ctx.mask, ctx.scale = mask_B1TT, scale
+        ctx.kernel, ctx.scale = kernel, scale
         return out
 
     @staticmethod
@@ -133,14 +273,12 @@ class _MergedTTTAttention(torch.autograd.Function):
         q, k0, v0, out, lse, probs_BKGTJ, *diagonal = ctx.saved_tensors
         kd, vd = diagonal[: len(diagonal) // 2], diagonal[len(diagonal) // 2 :]
         grad_out = grad_out.contiguous()
-        dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k0, v0, out, lse.to(q.dtype), 0.0, ctx.mask is None, attn_mask=ctx.mask
-        )
-        groups = k0.shape[1]
-        g_BKGTD = _grouped(grad_out.float(), groups)
-        q_BKGTD = _grouped(q.float(), groups)
-        delta_BKGT = (g_BKGTD * _grouped(out.float(), groups)).sum(-1)
-        dq_BKGTD = _grouped(dq.float(), groups)
+        dq, dk0, dv0 = ctx.kernel.backward(grad_out, q, k0, v0, out, lse)
+        kv_heads = k0.shape[1]
+        g_BKGTD = _grouped(grad_out.float(), kv_heads)
+        q_BKGTD = _grouped(q.float(), kv_heads)
+        delta_BKGT = (g_BKGTD * _grouped(out.float(), kv_heads)).sum(-1)
+        dq_BKGTD = _grouped(dq.float(), kv_heads)
         dkd, dvd = [], []
         for j, (k, v) in enumerate(zip(kd, vd, strict=True)):
             p_BKGT = probs_BKGTJ[..., j]
@@ -149,12 +287,30 @@ class _MergedTTTAttention(torch.autograd.Function):
             dscores_BKGT = p_BKGT * (dprobs_BKGT - delta_BKGT) * ctx.scale
             dq_BKGTD += dscores_BKGT.unsqueeze(-1) * k.float().unsqueeze(2)
             dkd.append((dscores_BKGT.unsqueeze(-1) * q_BKGTD).sum(2).to(k.dtype))
-        return dq_BKGTD.flatten(1, 2).to(q.dtype), dk0, dv0, None, *dkd, *dvd
+        return None, dq_BKGTD.flatten(1, 2).to(q.dtype), dk0, dv0, *dkd, *dvd
 
 
 def _grouped(x_BN: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, N, ...] -> [B, K, G, ...]: query heads grouped by the kv head they share."""
     return x_BN.unflatten(1, (kv_heads, x_BN.shape[1] // kv_heads))
+
+
+def _merged(
+    kernel: _CpuFlashKernel | _VarlenFlashKernel,
+    q_BNTD: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
+    batch, num_heads, seq, head_dim = q_BNTD.shape
+    out = _MergedTTTAttention.apply(
+        kernel,
+        q_BNTD.contiguous(),
+        keys[0].contiguous(),
+        values[0].contiguous(),
+        *keys[1:],
+        *values[1:],
+    )
+    return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)  # type: ignore[no-any-return]
 
 
 def sdpa_ttt_attention(
@@ -164,10 +320,12 @@ def sdpa_ttt_attention(
     valid_BT: torch.Tensor | None,
     document_ids_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same result as ``eager_ttt_attention`` without materialising the [T, steps*T] scores."""
-    if q_BNTD.device.type != "cpu":  # also checked at config time (DraftConfig.attention_for)
-        raise ConfigError(SDPA_CPU_ONLY)
-    batch, num_heads, seq, head_dim = q_BNTD.shape
+    """Same result as ``eager_ttt_attention`` without materialising the [T, steps*T] scores:
+    PyTorch's flash kernels for the step-0 keys (CPU: masked; CUDA: variable-length)."""
+    if q_BNTD.device.type == "cuda":
+        kernel = _VarlenFlashKernel(q_BNTD, valid_BT, document_ids_BT, use_flash_attn=False)
+        return _merged(kernel, q_BNTD, keys, values)
+    batch, _, seq, _ = q_BNTD.shape
     mask = None
     if valid_BT is not None or document_ids_BT is not None:
         if valid_BT is None:
@@ -176,15 +334,21 @@ def sdpa_ttt_attention(
         mask = torch.zeros(allowed.shape, dtype=q_BNTD.dtype, device=q_BNTD.device).masked_fill_(
             ~allowed, float("-inf")
         )
-    out = _MergedTTTAttention.apply(
-        q_BNTD.contiguous(),
-        keys[0].contiguous(),
-        values[0].contiguous(),
-        mask,
-        *keys[1:],
-        *values[1:],
-    )
-    return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
+    return _merged(_CpuFlashKernel(mask), q_BNTD, keys, values)
+
+
+def flash_ttt_attention(
+    q_BNTD: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    valid_BT: torch.Tensor | None,
+    document_ids_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """As ``sdpa`` on CUDA, with the flash-attn package's variable-length kernel (CUDA only)."""
+    if q_BNTD.device.type != "cuda":
+        raise ConfigError(FLASH_CUDA_ONLY)
+    kernel = _VarlenFlashKernel(q_BNTD, valid_BT, document_ids_BT, use_flash_attn=True)
+    return _merged(kernel, q_BNTD, keys, values)
 
 
 _compiled_flex: Any = None

@@ -11,6 +11,7 @@ N query heads, K key/value heads, D head dim, V target vocab, W draft vocab.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagleforge.draft.attention import SDPA_CPU_ONLY
+from eagleforge.draft.attention import FLASH_CUDA_ONLY
 from eagleforge.errors import ConfigError
 
 
@@ -29,8 +30,9 @@ class AttentionBackend(str, Enum):
 
     auto = "auto"  # sdpa on CPU, eager elsewhere
     eager = "eager"  # materialised [T, steps*T] mask: the reference
-    sdpa = "sdpa"  # flash kernel for step-0 keys + log-sum-exp merge of the diagonal (CPU)
+    sdpa = "sdpa"  # PyTorch flash kernel for step-0 keys + log-sum-exp merge of the diagonal
     flex = "flex"  # flex_attention with a BlockMask (CUDA; on CPU forward only)
+    flash = "flash"  # as sdpa, with the flash-attn package's varlen kernel (CUDA)
 
 
 @dataclass
@@ -59,8 +61,14 @@ class DraftConfig:
         """The backend to run on ``device``; ConfigError where the chosen one cannot run."""
         if self.attention == AttentionBackend.auto:
             return AttentionBackend.sdpa if device.type == "cpu" else AttentionBackend.eager
-        if self.attention == AttentionBackend.sdpa and device.type != "cpu":
-            raise ConfigError(SDPA_CPU_ONLY)
+        if self.attention == AttentionBackend.flash:
+            if device.type != "cuda":
+                raise ConfigError(FLASH_CUDA_ONLY)
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ConfigError(
+                    "draft.attention=flash needs the flash-attn package: "
+                    "pip install 'eagleforge[flash]' (or choose draft.attention=sdpa)."
+                )
         if self.attention == AttentionBackend.flex and device.type != "cuda":
             raise ConfigError(
                 "draft.attention=flex trains on CUDA only (its CPU backward does not exist); "

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from eagleforge.draft.attention import eager_ttt_attention, flex_ttt_attention, sdpa_ttt_attention
+from eagleforge.draft.attention import (
+    eager_ttt_attention,
+    flash_ttt_attention,
+    flex_ttt_attention,
+    sdpa_ttt_attention,
+)
 from eagleforge.draft.loss import soft_cross_entropy
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
 
@@ -27,6 +32,7 @@ ATTENTION = {
     AttentionBackend.eager: eager_ttt_attention,
     AttentionBackend.sdpa: sdpa_ttt_attention,
     AttentionBackend.flex: flex_ttt_attention,
+    AttentionBackend.flash: flash_ttt_attention,
 }
 
 
