@@ -91,3 +91,5 @@ def test_chunks_are_sized_by_memory() -> None:
     assert rows_per_chunk(8000) == 1048
     assert rows_per_chunk(32000) == 262
     assert rows_per_chunk(10**9) == 16
+    assert rows_per_chunk(8000, 16 * 2**20, 256) == 524
+    assert rows_per_chunk(128256, 16 * 2**20, 256) == 256

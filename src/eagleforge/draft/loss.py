@@ -19,14 +19,18 @@ from typing import Any
 
 import torch
 
-# Rows per chunk are chosen so that one [rows, W] fp32 tensor takes about this much memory;
-# a chunk holds two of them (logits turned log-probs turned gradient, and teacher rows).
+# Chunks of rows are sized so that one [rows, width] fp32 tensor takes about this much memory.
 CHUNK_BYTES = 32 * 2**20
+# The loss holds two such buffers per chunk (logits turned log-probs turned gradient, and the
+# teacher rows), so it uses half the budget each -- but at least LOSS_MIN_ROWS rows, since
+# every chunk also reads and writes the whole [W, H] lm_head gradient buffer once.
+LOSS_CHUNK_BYTES = CHUNK_BYTES // 2
+LOSS_MIN_ROWS = 256
 
 
-def rows_per_chunk(width: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """How many [width] fp32 rows fit in ``chunk_bytes`` (at least 16)."""
-    return max(16, chunk_bytes // (4 * width))
+def rows_per_chunk(width: int, chunk_bytes: int = CHUNK_BYTES, min_rows: int = 16) -> int:
+    """How many [width] fp32 rows fit in ``chunk_bytes`` (at least ``min_rows``)."""
+    return max(min_rows, chunk_bytes // (4 * width))
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
@@ -114,7 +118,7 @@ def soft_cross_entropy(
     """
     with_grad = torch.is_grad_enabled() and (hidden_nH.requires_grad or weight_WH.requires_grad)
     if chunk_size is None:
-        chunk_size = rows_per_chunk(weight_WH.shape[0])
+        chunk_size = rows_per_chunk(weight_WH.shape[0], LOSS_CHUNK_BYTES, LOSS_MIN_ROWS)
     weighted, loss_n, argmax_n = _SoftCrossEntropy.apply(
         hidden_nH, weight_WH, teacher_MW, teacher_rows_n, scale_n, chunk_size, with_grad
     )
