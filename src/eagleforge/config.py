@@ -21,6 +21,7 @@ from eagleforge.draft.model import DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import ParallelConfig
+from eagleforge.speculative.decode import EvalConfig
 from eagleforge.target import TargetConfig
 from eagleforge.target.source import ModelConfig
 from eagleforge.tracking import TrackerConfig
@@ -51,6 +52,8 @@ class EagleForgeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Options of eagleforge.inspect_data.
     inspect: InspectConfig = field(default_factory=InspectConfig)
+    # Options of eagleforge.evaluate (speculative decoding with a trained draft).
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Seed of weights init, data split and shuffling.
     seed: int = 0
     # Root of run outputs and of the default MLflow store.

@@ -27,18 +27,12 @@ from eagleforge.errors import exit_on_user_error
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
 from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import TargetDType, load_tokenizer, resolve_model_dir
+from eagleforge.target.source import load_tokenizer, resolve_model_dir
 from eagleforge.target.teacher import teacher_batch
 from eagleforge.tracking import MLflowTracker, build_tracker, flatten
 from eagleforge.trainer import Trainer, TrainResult
 
 log = logging.getLogger("eagleforge.train")
-
-
-def target_dtype(choice: TargetDType, device: torch.device) -> torch.dtype:
-    if choice == TargetDType.auto:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, choice.value)
 
 
 def seed_everything(seed: int) -> None:
@@ -71,7 +65,7 @@ def run(cfg: DictConfig) -> TrainResult:
     target = HFTarget.from_pretrained(
         model_dir,
         config.target,
-        target_dtype(config.model.dtype, device),
+        config.model.dtype.torch_dtype(device),
         device,
         aux_layer_ids=config.model.aux_layer_ids,
         trust_remote_code=config.model.trust_remote_code,

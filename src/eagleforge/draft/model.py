@@ -334,6 +334,27 @@ class Eagle3Draft(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
+    def layer_qkv(
+        self, input_ids_BT: torch.Tensor, hidden_BTH: torch.Tensor, position_ids_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """First half of a draft-layer pass: q [B,N,T,D], k and v [B,K,T,D] with RoPE, from
+        the tokens and the incoming hidden states (fc of the target features, or the previous
+        pass's pre-norm output)."""
+        layer = self.midlayer
+        embeds_BTH = self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
+        x_BTX = torch.cat(
+            [layer.input_layernorm(embeds_BTH), layer.hidden_norm(hidden_BTH)], dim=-1
+        )
+        cos, sin = self.rope(position_ids_BT, x_BTX.dtype)
+        return layer.self_attn.project(x_BTX, cos, sin)
+
+    def layer_output(self, hidden_BTH: torch.Tensor, attention_BTX: torch.Tensor) -> torch.Tensor:
+        """Second half: o_proj of the attention output [B,T,N*D], residuals and the MLP; returns
+        the pre-norm output that feeds the next pass (``norm`` + ``lm_head`` give its logits)."""
+        layer = self.midlayer
+        hidden_BTH = hidden_BTH + layer.self_attn.o_proj(attention_BTX)
+        return hidden_BTH + layer.feed_forward(hidden_BTH)
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen embedding: what checkpoints and exports store."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}

@@ -121,16 +121,11 @@ def draft_step(
     attention: AttentionBackend = AttentionBackend.eager,
 ) -> torch.Tensor:
     """One draft-layer pass of a TTT step; appends this step's keys/values; returns pre-norm [B,T,H]."""
-    layer = draft.midlayer
-    embeds_BTH = draft.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
-    x_BTX = torch.cat([layer.input_layernorm(embeds_BTH), layer.hidden_norm(hidden_BTH)], dim=-1)
-    cos, sin = draft.rope(position_ids_BT, x_BTX.dtype)
-    q, k, v = layer.self_attn.project(x_BTX, cos, sin)
+    q, k, v = draft.layer_qkv(input_ids_BT, hidden_BTH, position_ids_BT)
     keys.append(k)
     values.append(v)
-    attn = layer.self_attn.o_proj(ATTENTION[attention](q, keys, values, valid_BT, document_ids_BT))
-    hidden_BTH = hidden_BTH + attn
-    return hidden_BTH + layer.feed_forward(hidden_BTH)
+    attention_BTX = ATTENTION[attention](q, keys, values, valid_BT, document_ids_BT)
+    return draft.layer_output(hidden_BTH, attention_BTX)
 
 
 _compiled_draft_step: Any = None

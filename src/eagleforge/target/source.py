@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import MISSING
 
 from eagleforge.errors import ConfigError
@@ -44,6 +45,11 @@ class TargetDType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self == TargetDType.auto:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.value)  # type: ignore[no-any-return]
 
 
 @dataclass

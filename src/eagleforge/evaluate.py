@@ -1,0 +1,203 @@
+"""Measure a draft's real acceptance length by speculative decoding with the HF target.
+
+    python -m eagleforge.evaluate +model=smollm2 eval.draft=outputs/runs/RUN/checkpoints/step_00000100
+    python -m eagleforge.evaluate +model=smollm2 eval.draft=outputs/runs/RUN/checkpoints \\
+        eval.topk=4 eval.total_draft_tokens=16 eval.temperature=0.7
+
+Prints a table per draft (τ, acceptance by position, tokens/s against the target alone, the
+speedup, and whether greedy outputs equal the target's), writes ``summary.json`` and
+``outputs.jsonl`` under the run directory, and logs everything, with plots, to the tracker.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.draft.model import Eagle3Draft
+from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.formats import load_sglang
+from eagleforge.parallel import resolve_device
+from eagleforge.speculative.decode import SpeculativeDecoder
+from eagleforge.speculative.prompts import load_prompts
+from eagleforge.speculative.report import (
+    Summary,
+    TurnRecord,
+    plot_acceptance,
+    plot_tau_by_step,
+    summarise,
+    table,
+    write_outputs,
+)
+from eagleforge.target.hf import HFTarget
+from eagleforge.target.source import load_tokenizer, resolve_model_dir
+from eagleforge.tracking import build_tracker, flatten
+
+log = logging.getLogger("eagleforge.evaluate")
+
+
+def draft_dirs(path: str) -> list[tuple[int, Path]]:
+    """(training step or 0, directory) of every draft at ``path``: one draft directory, or
+    the step_* checkpoints in it (or in its checkpoints/), oldest first."""
+    root = Path(path)
+    if (root / "config.json").is_file():
+        return [(_step(root), root)]
+    found = sorted(root.glob("step_*/config.json")) or sorted(
+        root.glob("checkpoints/step_*/config.json")
+    )
+    if not found:
+        raise ConfigError(
+            f"eval.draft={path}: no draft there. Give a training checkpoint or an exported "
+            "SGLang directory (config.json + model.safetensors), or a directory of step_* "
+            "checkpoints."
+        )
+    return sorted((_step(p.parent), p.parent) for p in found)
+
+
+def _step(path: Path) -> int:
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else 0
+
+
+def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draft:
+    """A draft from an SGLang-format directory, with the target's embedding; ConfigError
+    when it was trained for another target."""
+    arch, tensors = load_sglang(path)
+    vocab = int(target.config.get_text_config().vocab_size)
+    hidden = int(target.config.get_text_config().hidden_size)
+    if arch.vocab_size != vocab or arch.target_hidden_size != hidden:
+        raise ConfigError(
+            f"{path}: this draft was trained for a target with vocab {arch.vocab_size} and "
+            f"hidden size {arch.target_hidden_size}, but +model gives vocab {vocab} and hidden "
+            f"size {hidden}; choose the draft's target model."
+        )
+    if arch.aux_layer_ids != target.aux_layer_ids:
+        raise ConfigError(
+            f"{path}: the draft reads target layers {arch.aux_layer_ids}, the other drafts "
+            f"evaluated with it read {target.aux_layer_ids}; evaluate them separately."
+        )
+    draft = Eagle3Draft(arch)
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens")]
+    if missing or unexpected:
+        raise ConfigError(
+            f"{path}: not an EAGLE-3 draft of this layout (missing {missing}, unexpected "
+            f"{unexpected})."
+        )
+    draft.load_embedding(target.input_embedding().detach().float().cpu())
+    return draft.to(device).eval()
+
+
+def eos_ids(tokenizer: Any, target: HFTarget) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    generation = getattr(target.model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {int(i) for i in ids if i is not None}
+
+
+def evaluate_draft(
+    config: EagleForgeConfig,
+    decoder: SpeculativeDecoder,
+    tokenizer: Any,
+    name: str,
+    device: torch.device,
+) -> tuple[Summary, list[TurnRecord]]:
+    cfg = config.eval
+    prompts = load_prompts(cfg.prompts, cfg.multi_turn, cfg.max_prompts)
+    records: list[TurnRecord] = []
+    for index, item in enumerate(prompts):
+        messages: list[dict[str, str]] = []
+        for turn, text in enumerate(item.turns):
+            messages.append({"role": "user", "content": text})
+            rendered = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            seed = config.seed * 100_003 + index * 101 + turn
+            generator = torch.Generator(device).manual_seed(seed)
+            speculative = decoder.generate(prompt_ids, generator)
+            baseline = None
+            if cfg.baseline:
+                generator = torch.Generator(device).manual_seed(seed)
+                baseline = decoder.generate_target_only(prompt_ids, generator)
+            records.append(TurnRecord(item.id, turn, len(prompt_ids), speculative, baseline))
+            answer = tokenizer.decode(speculative.output_ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+    summary = summarise(name, records, cfg.num_draft_tokens, greedy=cfg.temperature == 0)
+    return summary, records
+
+
+def run(cfg: DictConfig) -> list[Summary]:
+    config = to_typed(cfg)
+    if not config.eval.draft:
+        raise ConfigError("eval.draft is not set: give a checkpoint or draft directory.")
+    device = resolve_device(config.parallel)
+    torch.manual_seed(config.seed)
+    drafts = draft_dirs(config.eval.draft)
+    arch, _ = load_sglang(drafts[0][1])
+    model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
+    tokenizer = load_tokenizer(config.model, model_dir)
+    target = HFTarget.from_pretrained(
+        model_dir,
+        config.target,
+        config.model.dtype.torch_dtype(device),
+        device,
+        aux_layer_ids=arch.aux_layer_ids,
+        trust_remote_code=config.model.trust_remote_code,
+        revision=config.model.revision,
+    )
+    output_dir = Path(config.output_dir)
+    tracker = build_tracker(config.tracker, config.output_root, run_name=f"eval-{output_dir.name}")
+    container = OmegaConf.to_container(cfg, resolve=True)
+    tracker.log_config(flatten(container), OmegaConf.to_yaml(cfg))  # type: ignore[arg-type]
+    summaries, tau_by_step = [], []
+    for step, path in drafts:
+        draft = load_draft(path, target, device)
+        decoder = SpeculativeDecoder(
+            target, draft, config.eval.settings(), eos_ids(tokenizer, target)
+        )
+        summary, records = evaluate_draft(config, decoder, tokenizer, str(path), device)
+        print(table(summary), flush=True)
+        out = output_dir / "eval" / path.name
+        files = write_outputs(summary, records, out)
+        files.append(plot_acceptance(summary, out / "acceptance.png"))
+        metrics = {
+            "eval/tau": summary.tau,
+            "eval/tokens_per_s": summary.tokens_per_s,
+            **{f"eval/accept_pos_{j + 1}": r for j, r in enumerate(summary.acceptance_by_position)},
+        }
+        if summary.speedup is not None:
+            metrics["eval/speedup"] = summary.speedup
+        tracker.log_metrics(metrics, step=step)
+        for file in files:
+            tracker.log_artifact(file)
+        summaries.append(summary)
+        tau_by_step.append((step, summary.tau))
+    if len(drafts) > 1:
+        tracker.log_artifact(plot_tau_by_step(tau_by_step, output_dir / "eval" / "tau_by_step.png"))
+    tracker.close()
+    log.info("evaluation written to %s", output_dir / "eval")
+    return summaries
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@exit_on_user_error
+def _hydra_main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

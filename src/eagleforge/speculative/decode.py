@@ -1,0 +1,522 @@
+"""Speculative decoding with an EAGLE-3 draft over an HF target, on one prompt at a time.
+
+State between rounds: the committed tokens x_0 … x_L, where x_L is the target's latest token
+(not yet run through the target); the target's KV cache and the draft's KV cache both cover
+positions 0 … L-1. Draft position t is fed the token x_{t+1} and fc of the target's aux
+features f_t -- exactly as in training -- and its output predicts x_{t+2}.
+
+A round:
+1. **Draft** from the draft output at L-1: a chain of ``num_draft_tokens`` (``topk`` = 1), or
+   an EAGLE-2 tree: at each depth the ``topk`` best nodes so far (by cumulative draft
+   log-probability) are expanded into ``topk`` children each, and the ``total_draft_tokens``
+   best nodes overall are verified. A node at depth j is fed its token with the hidden output
+   of its parent's pass, at RoPE position L-1+j, attending to the draft cache, its ancestors
+   and itself -- the diagonal of the training-time test.
+2. **Verify** x_L and all drafted nodes in one target forward (a tree attention mask when the
+   tree branches), then walk down the tree: greedy (temperature 0) accepts the child equal to
+   the target's argmax; sampling accepts by speculative rejection sampling -- a sampled chain
+   token d with probability min(1, p(d)/q(d)), else a token from norm(max(p - q, 0)); tree
+   children (deterministic proposals) one after another with probability r(c)/Σr on the
+   residual r, which loses c's mass on rejection. Either way the output follows the target's
+   distribution exactly. The round ends with one token from the target itself (the bonus).
+3. **Commit**: both caches keep only the accepted path; the draft is extended over the new
+   positions with their real target features.
+
+τ counts the tokens a verification round commits (accepted drafts + the target's token).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eagleforge.draft.model import Eagle3Draft
+from eagleforge.errors import ConfigError
+from eagleforge.target.hf import HFTarget
+
+# Shape suffixes: M new positions, S key positions, V target vocab, W draft vocab,
+# H draft hidden, A aux width, K kv heads, D head dim.
+
+
+@dataclass
+class EvalConfig:
+    """The `eval` config section: options of ``python -m eagleforge.evaluate``."""
+
+    # Draft to evaluate: a training checkpoint (…/checkpoints/step_N), an exported SGLang
+    # draft directory, or a directory of checkpoints (each is evaluated; τ plotted by step).
+    draft: str | None = None
+    # Prompt set: mtbench (bundled, 40 prompts in 8 categories) or a jsonl path.
+    prompts: str = "mtbench"
+    # Every user turn of a prompt (answered by the model in turn), not only the first.
+    multi_turn: bool = False
+    # At most this many prompts; null = all.
+    max_prompts: int | None = None
+    # Tokens generated per turn (fewer if the model ends its answer).
+    max_new_tokens: int = 128
+    # Draft tokens per round: the chain length, or the tree depth when topk > 1.
+    num_draft_tokens: int = 5
+    # Children per expanded node; > 1 drafts an EAGLE-2 tree.
+    topk: int = 1
+    # Tree nodes verified per round; null = num_draft_tokens * topk.
+    total_draft_tokens: int | None = None
+    # 0: greedy; > 0: sampling, verified by speculative rejection sampling.
+    temperature: float = 0.0
+    # Also decode with the target alone (speed baseline, and the lossless check when greedy).
+    baseline: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "num_draft_tokens", "topk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"eval.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.total_draft_tokens is not None and self.total_draft_tokens < 1:
+            raise ConfigError(
+                f"eval.total_draft_tokens must be >= 1 or null, got {self.total_draft_tokens}."
+            )
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}.")
+
+    def settings(self) -> DecodeSettings:
+        return DecodeSettings(
+            max_new_tokens=self.max_new_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            topk=self.topk,
+            total_draft_tokens=self.total_draft_tokens or self.num_draft_tokens * self.topk,
+            temperature=self.temperature,
+        )
+
+
+@dataclass
+class DecodeSettings:
+    max_new_tokens: int
+    num_draft_tokens: int  # chain length / tree depth
+    topk: int  # 1: chain; > 1: tree
+    total_draft_tokens: int  # nodes verified per round (tree); the chain verifies all
+    temperature: float  # 0: greedy
+
+
+@dataclass
+class DecodeResult:
+    """One prompt's decoding."""
+
+    output_ids: list[int]
+    seconds: float
+    target_forwards: int  # including the prefill
+    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted per round
+
+
+class TargetRunner:
+    """The HF target with a KV cache and its aux-layer capture."""
+
+    def __init__(self, target: HFTarget) -> None:
+        self.target = target
+        self.device = target.model.device
+        self.cache: Any = None
+        self.forwards = 0
+        # transformers renamed ``past_key_values`` to ``cache`` during 5.x
+        parameters = inspect.signature(target.model.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.target.config)
+        self.forwards = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    @torch.no_grad()
+    def forward(
+        self, tokens_M: torch.Tensor, positions_M: torch.Tensor, tree_mask_MM: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits [M, V] and aux features [M, A] of new tokens after the cached ones;
+        ``tree_mask_MM`` (True = may attend) replaces the causal mask among the new tokens."""
+        mask = None
+        if tree_mask_MM is not None:
+            past = self.length
+            prefix = torch.ones(len(tokens_M), past, dtype=torch.bool, device=self.device)
+            mask = torch.cat([prefix, tree_mask_MM], dim=1)[None, None]
+        self.target._captured.clear()
+        out = self.target.model(
+            input_ids=tokens_M[None],
+            position_ids=positions_M[None],
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_argument: self.cache},
+        )
+        aux = torch.cat([self.target._captured[i] for i in self.target.aux_layer_ids], dim=-1)
+        self.target._captured.clear()
+        self.forwards += 1
+        return out.logits[0].float(), aux[0]
+
+    def keep(self, prefix: int, rows: list[int]) -> None:
+        """Keep cache entries [0, prefix) and then the given rows of the block after them."""
+        index = torch.tensor(list(range(prefix)) + [prefix + r for r in rows], device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+
+
+class DraftRunner:
+    """The draft with its KV cache of committed positions (step-0 style: real features)."""
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        self.draft = draft.eval()
+        self.keys: torch.Tensor | None = None  # [1, K, S, D]
+        self.values: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+
+    def attend(
+        self,
+        tokens_M: torch.Tensor,
+        hidden_MH: torch.Tensor,
+        positions_M: torch.Tensor,
+        extra: tuple[torch.Tensor, torch.Tensor] | None,
+        mask_MS: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft-layer pass of M positions over the cache, the ``extra`` keys and their
+        own keys, with ``mask_MS`` over (extra + own) keys; the cache is visible to all.
+        Returns the pre-norm outputs [M, H] and the new keys and values."""
+        q, k, v = self.draft.layer_qkv(tokens_M[None], hidden_MH[None], positions_M[None])
+        parts_k = [t for t in (self.keys, extra[0] if extra else None) if t is not None]
+        parts_v = [t for t in (self.values, extra[1] if extra else None) if t is not None]
+        all_k, all_v = torch.cat([*parts_k, k], dim=2), torch.cat([*parts_v, v], dim=2)
+        cached = 0 if self.keys is None else self.keys.shape[2]
+        visible = torch.ones(len(tokens_M), cached, dtype=torch.bool, device=tokens_M.device)
+        mask = torch.cat([visible, mask_MS], dim=1)
+        groups = q.shape[1] // k.shape[1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q,
+            all_k.repeat_interleave(groups, dim=1),
+            all_v.repeat_interleave(groups, dim=1),
+            attn_mask=mask[None, None],
+        )
+        out_MX = out.transpose(1, 2).flatten(2)
+        return self.draft.layer_output(hidden_MH[None], out_MX)[0], k, v
+
+    @torch.no_grad()
+    def extend(
+        self, tokens_M: torch.Tensor, features_MA: torch.Tensor, positions_M: torch.Tensor
+    ) -> torch.Tensor:
+        """Feed committed positions (token x_{t+1}, features f_t); returns outputs [M, H]."""
+        hidden = self.draft.fc(features_MA.to(self.draft.fc.weight.dtype))
+        causal = torch.ones(len(tokens_M), len(tokens_M), dtype=torch.bool).tril()
+        out, k, v = self.attend(tokens_M, hidden, positions_M, None, causal.to(tokens_M.device))
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return out
+
+    def log_probs(self, hidden_MH: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Draft log-probabilities [M, W] (at ``temperature``; 1 when 0: greedy ranks)."""
+        logits = self.draft.lm_head(self.draft.norm(hidden_MH)).float()
+        return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+
+
+@dataclass
+class Node:
+    """A drafted token: a child of the root (x_L) or of another node."""
+
+    token: int  # target id
+    parent: int  # index in the node list, -1 for the root
+    depth: int  # 1 for children of the root
+    score: float  # cumulative draft log-probability
+    draft_probs_W: torch.Tensor | None = None  # the distribution it was sampled from (chain)
+    draft_id: int = -1
+    hidden_H: torch.Tensor | None = None  # output of feeding this node (predicts its children)
+    key: Any = None  # (k, v) of feeding this node, [1, K, 1, D] each
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        target: HFTarget,
+        draft: Eagle3Draft,
+        settings: DecodeSettings,
+        eos_ids: set[int],
+    ) -> None:
+        self.target, self.draft = TargetRunner(target), DraftRunner(draft)
+        self.settings, self.eos_ids = settings, eos_ids
+        self.d2t = draft.d2t
+        self.vocab_size = draft.arch.vocab_size
+
+    # --- sampling helpers --------------------------------------------------------------------
+
+    def _target_probs(self, logits_V: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits_V / self.settings.temperature, dim=-1)
+
+    def _pick(self, logits_V: torch.Tensor, generator: torch.Generator) -> int:
+        """The target's own token: argmax, or a sample at the temperature."""
+        if self.settings.temperature == 0:
+            return int(logits_V.argmax())
+        return _sample(self._target_probs(logits_V), generator)
+
+    # --- one prompt ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], generator: torch.Generator) -> DecodeResult:
+        start = time.perf_counter()
+        device = self.target.device
+        self.target.reset()
+        self.draft.reset()
+        prompt = torch.tensor(prompt_ids, device=device)
+        logits, aux = self.target.forward(prompt, torch.arange(len(prompt), device=device), None)
+        token = self._pick(logits[-1], generator)
+        output = [token]
+        draft_tokens = torch.cat([prompt[1:], torch.tensor([token], device=device)])
+        hidden = self.draft.extend(draft_tokens, aux, torch.arange(len(prompt), device=device))
+        root_hidden = hidden[-1]
+        accepted_lengths: list[int] = []
+        while not self._done(output):
+            length = len(prompt) + len(output) - 1  # L: position of the latest token
+            nodes = self._draft_tree(root_hidden, length, generator)
+            accepted, bonus, aux = self._verify(token, nodes, length, generator)
+            accepted_lengths.append(len(accepted))
+            new_tokens = [nodes[i].token for i in accepted] + [bonus]
+            self.target.keep(length, [0] + [i + 1 for i in accepted])
+            positions = torch.arange(length, length + len(new_tokens), device=device)
+            hidden = self.draft.extend(torch.tensor(new_tokens, device=device), aux, positions)
+            root_hidden, token = hidden[-1], bonus
+            output.extend(new_tokens)
+        return DecodeResult(
+            output_ids=self._trim(output),
+            seconds=time.perf_counter() - start,
+            target_forwards=self.target.forwards,
+            accepted_lengths=accepted_lengths,
+        )
+
+    @torch.no_grad()
+    def generate_target_only(
+        self, prompt_ids: list[int], generator: torch.Generator
+    ) -> DecodeResult:
+        """Plain decoding with the target and its KV cache: the baseline for speed and output."""
+        start = time.perf_counter()
+        device = self.target.device
+        self.target.reset()
+        tokens = torch.tensor(prompt_ids, device=device)
+        positions = torch.arange(len(tokens), device=device)
+        output: list[int] = []
+        while not self._done(output):
+            logits, _ = self.target.forward(tokens, positions, None)
+            token = self._pick(logits[-1], generator)
+            output.append(token)
+            tokens = torch.tensor([token], device=device)
+            positions = positions[-1:] + 1
+        return DecodeResult(self._trim(output), time.perf_counter() - start, self.target.forwards)
+
+    def _done(self, output: list[int]) -> bool:
+        return len(output) >= self.settings.max_new_tokens or any(t in self.eos_ids for t in output)
+
+    def _trim(self, output: list[int]) -> list[int]:
+        """At most max_new_tokens, ending at the first end-of-sequence token."""
+        output = output[: self.settings.max_new_tokens]
+        for i, t in enumerate(output):
+            if t in self.eos_ids:
+                return output[: i + 1]
+        return output
+
+    # --- drafting --------------------------------------------------------------------------------
+
+    def _children(
+        self,
+        parent: int,
+        parent_score: float,
+        hidden_H: torch.Tensor,
+        depth: int,
+        generator: torch.Generator,
+    ) -> list[Node]:
+        s = self.settings
+        log_q = self.draft.log_probs(hidden_H[None], s.temperature)[0]
+        if s.temperature > 0 and s.topk == 1:
+            probs = log_q.exp()
+            draft_id = _sample(probs, generator)
+            ids = [draft_id]
+        else:
+            probs = None
+            ids = log_q.topk(min(s.topk, log_q.numel())).indices.tolist()
+        return [
+            Node(
+                token=int(self.d2t[i]) + i,
+                parent=parent,
+                depth=depth,
+                score=parent_score + float(log_q[i]),
+                draft_probs_W=probs,
+                draft_id=i,
+            )
+            for i in ids
+        ]
+
+    def _draft_tree(
+        self, root_hidden: torch.Tensor, length: int, generator: torch.Generator
+    ) -> list[Node]:
+        """Draft nodes, parents before children (see the module docstring)."""
+        s = self.settings
+        nodes = self._children(-1, 0.0, root_hidden, 1, generator)
+        frontier = list(range(len(nodes)))
+        fed: list[int] = []  # nodes whose keys exist, in the order of ``keys``
+        keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        for depth in range(2, s.num_draft_tokens + 1):
+            tokens = torch.tensor([nodes[i].token for i in frontier], device=root_hidden.device)
+            hidden_in = torch.stack(
+                [
+                    root_hidden if nodes[i].parent < 0 else _hidden(nodes[nodes[i].parent])
+                    for i in frontier
+                ]
+            )
+            positions = torch.full_like(tokens, length - 1 + depth - 1)
+            # each fed node sees its fed ancestors and itself
+            mask = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
+            for row, i in enumerate(frontier):
+                mask[row, len(fed) + row] = True
+                ancestor = nodes[i].parent
+                while ancestor >= 0:
+                    mask[row, fed.index(ancestor)] = True
+                    ancestor = nodes[ancestor].parent
+            out, k, v = self.draft.attend(
+                tokens, hidden_in, positions, keys, mask.to(root_hidden.device)
+            )
+            keys = (
+                (k, v) if keys is None else (torch.cat([keys[0], k], 2), torch.cat([keys[1], v], 2))
+            )
+            fed.extend(frontier)
+            children: list[Node] = []
+            for row, i in enumerate(frontier):
+                nodes[i].hidden_H = out[row]
+                children.extend(self._children(i, nodes[i].score, out[row], depth, generator))
+            first = len(nodes)
+            nodes.extend(children)
+            best = sorted(range(first, len(nodes)), key=lambda j: -nodes[j].score)
+            frontier = best[: s.topk]
+        return self._select(nodes)
+
+    def _select(self, nodes: list[Node]) -> list[Node]:
+        """The best ``total_draft_tokens`` nodes, closed under ancestors, parents first."""
+        if self.settings.topk == 1:
+            return nodes
+        order = sorted(range(len(nodes)), key=lambda j: (-nodes[j].score, nodes[j].depth))
+        chosen: list[int] = []
+        for j in order:
+            if len(chosen) == self.settings.total_draft_tokens:
+                break
+            if nodes[j].parent < 0 or nodes[j].parent in chosen:
+                chosen.append(j)
+        chosen.sort(key=lambda j: (nodes[j].depth, j))
+        renumber = {old: new for new, old in enumerate(chosen)}
+        return [
+            Node(
+                token=nodes[j].token,
+                parent=renumber.get(nodes[j].parent, -1),
+                depth=nodes[j].depth,
+                score=nodes[j].score,
+            )
+            for j in chosen
+        ]
+
+    # --- verification ----------------------------------------------------------------------------
+
+    def _verify(
+        self, root_token: int, nodes: list[Node], length: int, generator: torch.Generator
+    ) -> tuple[list[int], int, torch.Tensor]:
+        """Target forward over the root and the nodes; the accepted node indices along one
+        path, the bonus token, and the aux features of the root and the accepted nodes."""
+        device = self.target.device
+        tokens = torch.tensor([root_token] + [n.token for n in nodes], device=device)
+        positions = torch.tensor([length] + [length + n.depth for n in nodes], device=device)
+        is_path = all(n.parent == i - 1 for i, n in enumerate(nodes))
+        mask = None if is_path else _tree_mask(nodes).to(device)
+        logits, aux = self.target.forward(tokens, positions, mask)
+        accepted: list[int] = []
+        row = 0  # verification row of the current node (0 = root)
+        while True:
+            children = sorted(
+                (i for i, n in enumerate(nodes) if n.parent == row - 1),
+                key=lambda i: -nodes[i].score,
+            )
+            chosen, bonus = self._accept(logits[row], [nodes[i] for i in children], generator)
+            if chosen is None:
+                break
+            accepted.append(children[chosen])
+            row = children[chosen] + 1
+        return accepted, bonus, aux[[0] + [i + 1 for i in accepted]]
+
+    def _accept(
+        self, logits_V: torch.Tensor, children: list[Node], generator: torch.Generator
+    ) -> tuple[int | None, int]:
+        """Which child the target accepts (None: none), and otherwise the bonus token."""
+        if self.settings.temperature == 0:
+            best = int(logits_V.argmax())
+            for c, child in enumerate(children):
+                if child.token == best:
+                    return c, -1
+            return None, best
+        p = self._target_probs(logits_V)
+        q_W = children[0].draft_probs_W if len(children) == 1 else None
+        if q_W is not None:  # a sampled chain token
+            child = children[0]
+            q = torch.zeros_like(p)
+            q[self.d2t.to(p.device) + torch.arange(len(self.d2t), device=p.device)] = q_W.to(
+                p.dtype
+            )
+            accepted, bonus = accept_sampled(p, q, child.token, generator)
+            return (0 if accepted else None), bonus
+        return accept_proposals(p, [c.token for c in children], generator)
+
+
+def accept_sampled(
+    p_V: torch.Tensor, q_V: torch.Tensor, token: int, generator: torch.Generator
+) -> tuple[bool, int]:
+    """Speculative rejection sampling of ``token`` drawn from q: accept with min(1, p/q);
+    otherwise (False, a token from norm(max(p - q, 0))). The emitted token follows p."""
+    if _uniform(generator) * float(q_V[token]) < float(p_V[token]):
+        return True, -1
+    residual = (p_V - q_V).clamp_(min=0)
+    return False, _sample(residual if float(residual.sum()) > 0 else p_V, generator)
+
+
+def accept_proposals(
+    p_V: torch.Tensor, tokens: list[int], generator: torch.Generator
+) -> tuple[int | None, int]:
+    """Recursive rejection sampling of deterministic proposals (tree children, best first):
+    accept each with probability r(t)/Σr on the residual r, which loses t's mass when t is
+    rejected; if none is accepted, a token from the residual. The emitted token follows p."""
+    residual = p_V.clone()
+    for index, token in enumerate(tokens):
+        if _uniform(generator) * float(residual.sum()) < float(residual[token]):
+            return index, -1
+        residual[token] = 0.0
+    return None, _sample(residual, generator)
+
+
+def _hidden(node: Node) -> torch.Tensor:
+    assert node.hidden_H is not None, "a parent is always fed before its children"
+    return node.hidden_H
+
+
+def _uniform(generator: torch.Generator) -> float:
+    return float(torch.rand((), generator=generator, device=generator.device))
+
+
+def _sample(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One index drawn with probability proportional to ``weights`` (need not sum to 1)."""
+    weights = weights.float()
+    return int(torch.multinomial(weights / weights.sum(), 1, generator=generator))
+
+
+def _tree_mask(nodes: list[Node]) -> torch.Tensor:
+    """[1+N, 1+N] bool: the root and each node see the root, their ancestors and themselves."""
+    size = len(nodes) + 1
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, node in enumerate(nodes):
+        mask[i + 1, i + 1] = True
+        parent = node.parent
+        while parent >= 0:
+            mask[i + 1, parent + 1] = True
+            parent = nodes[parent].parent
+    return mask

@@ -1,0 +1,157 @@
+"""What the evaluator reports: τ, per-position acceptance, speed and speedup; as a console
+table, a JSON summary, a jsonl of every turn, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eagleforge.speculative.decode import DecodeResult
+
+
+@dataclass
+class TurnRecord:
+    """One prompt turn, decoded speculatively and (optionally) by the target alone."""
+
+    prompt_id: str
+    turn: int
+    prompt_tokens: int
+    speculative: DecodeResult
+    baseline: DecodeResult | None
+
+
+@dataclass
+class Summary:
+    draft: str
+    num_turns: int
+    rounds: int  # verification forwards
+    tau: float  # committed tokens per verification forward (accepted drafts + 1)
+    acceptance_by_position: list[float]  # P(draft token j accepted | drafts 1..j-1 were)
+    target_forwards: int  # all, prefills included
+    generated_tokens: int
+    tokens_per_s: float
+    baseline_tokens_per_s: float | None
+    speedup: float | None
+    greedy_matches_target: bool | None  # temperature 0 with a baseline: outputs identical
+
+
+def summarise(draft: str, records: list[TurnRecord], depth: int, greedy: bool) -> Summary:
+    accepted = [a for r in records for a in r.speculative.accepted_lengths]
+    reached = [sum(1 for a in accepted if a >= j) for j in range(depth + 1)]
+    rates = [reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, depth + 1)]
+    tokens = sum(len(r.speculative.output_ids) for r in records)
+    seconds = sum(r.speculative.seconds for r in records)
+    baselines = [r.baseline for r in records if r.baseline is not None]
+    baseline_speed = None
+    if baselines and len(baselines) == len(records):
+        baseline_speed = sum(len(b.output_ids) for b in baselines) / max(
+            sum(b.seconds for b in baselines), 1e-9
+        )
+    speed = tokens / max(seconds, 1e-9)
+    matches = None
+    if greedy and baseline_speed is not None:
+        matches = all(
+            r.baseline is not None and r.speculative.output_ids == r.baseline.output_ids
+            for r in records
+        )
+    return Summary(
+        draft=draft,
+        num_turns=len(records),
+        rounds=len(accepted),
+        tau=(sum(accepted) + len(accepted)) / max(len(accepted), 1),
+        acceptance_by_position=rates,
+        target_forwards=sum(r.speculative.target_forwards for r in records),
+        generated_tokens=tokens,
+        tokens_per_s=speed,
+        baseline_tokens_per_s=baseline_speed,
+        speedup=speed / baseline_speed if baseline_speed else None,
+        greedy_matches_target=matches,
+    )
+
+
+def table(summary: Summary) -> str:
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = [
+        ("draft", summary.draft),
+        ("prompt turns", str(summary.num_turns)),
+        ("τ (tokens per verification forward)", f"{summary.tau:.3f}"),
+        (
+            "acceptance by position",
+            " ".join(f"{rate:.2f}" for rate in summary.acceptance_by_position),
+        ),
+        ("target forwards", str(summary.target_forwards)),
+        ("generated tokens", str(summary.generated_tokens)),
+        ("tokens/s speculative", fmt(summary.tokens_per_s, ".1f")),
+        ("tokens/s target alone", fmt(summary.baseline_tokens_per_s, ".1f")),
+        ("speedup", fmt(summary.speedup, ".2f")),
+        (
+            "greedy output = target's",
+            "-" if summary.greedy_matches_target is None else str(summary.greedy_matches_target),
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def write_outputs(summary: Summary, records: list[TurnRecord], out_dir: Path) -> list[Path]:
+    """summary.json and outputs.jsonl (token ids and accepted lengths of every turn)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    outputs_path = out_dir / "outputs.jsonl"
+    with outputs_path.open("w") as f:
+        for r in records:
+            row = {
+                "prompt_id": r.prompt_id,
+                "turn": r.turn,
+                "prompt_tokens": r.prompt_tokens,
+                "output_ids": r.speculative.output_ids,
+                "accepted_lengths": r.speculative.accepted_lengths,
+                "seconds": round(r.speculative.seconds, 4),
+            }
+            if r.baseline is not None:
+                row["baseline_output_ids"] = r.baseline.output_ids
+                row["baseline_seconds"] = round(r.baseline.seconds, 4)
+            f.write(json.dumps(row) + "\n")
+    return [summary_path, outputs_path]
+
+
+def plot_acceptance(summary: Summary, path: Path) -> Path:
+    """Bars of the per-position acceptance rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    positions = list(range(1, len(summary.acceptance_by_position) + 1))
+    ax.bar(positions, summary.acceptance_by_position, color="#4c72b0")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(positions)
+    ax.set_title(f"τ = {summary.tau:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_tau_by_step(points: list[tuple[int, float]], path: Path) -> Path:
+    """τ against the training step of each evaluated checkpoint."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s for s, _ in points], [t for _, t in points], marker="o")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("τ")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
