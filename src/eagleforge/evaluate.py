@@ -167,8 +167,8 @@ def run(cfg: DictConfig) -> list[Summary]:
         summary, records = evaluate_draft(config, decoder, tokenizer, str(path), device)
         print(table(summary), flush=True)
         out = output_dir / "eval" / path.name
-        files = write_outputs(summary, records, out)
-        files.append(plot_acceptance(summary, out / "acceptance.png"))
+        write_outputs(summary, records, out)
+        plot_acceptance(summary, out / "acceptance.png")
         metrics = {
             "eval/tau": summary.tau,
             "eval/tokens_per_s": summary.tokens_per_s,
@@ -177,8 +177,7 @@ def run(cfg: DictConfig) -> list[Summary]:
         if summary.speedup is not None:
             metrics["eval/speedup"] = summary.speedup
         tracker.log_metrics(metrics, step=step)
-        for file in files:
-            tracker.log_artifact(file)
+        tracker.log_artifact(out)  # summary.json, outputs.jsonl, acceptance.png
         summaries.append(summary)
         tau_by_step.append((step, summary.tau))
     if len(drafts) > 1:

@@ -79,7 +79,9 @@ def test_missing_model_names_the_choices() -> None:
 
 def test_missing_data_path_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"data\.path is required"):
-        to_typed(compose_config(["+model=tiny", "data=sharegpt", "output_dir=/tmp/unused"]))
+        to_typed(
+            compose_config(["+model=tiny", "data=sharegpt", "output_dir=/tmp/unused"])
+        ).data.sources()
 
 
 def test_invariant_error_names_the_field() -> None:

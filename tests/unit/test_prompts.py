@@ -25,8 +25,13 @@ def test_jsonl_shapes(tmp_path: Path) -> None:
     rows = [
         {"id": "a", "turns": ["one", "two"]},
         {"prompt": "just this"},
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
-                           {"from": "human", "value": "again"}]},  # fmt: skip
+        {
+            "conversations": [
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "yo"},
+                {"from": "human", "value": "again"},
+            ]
+        },  # fmt: skip
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]},
     ]
     path = tmp_path / "p.jsonl"

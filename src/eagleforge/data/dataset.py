@@ -95,11 +95,6 @@ class DataConfig:
     max_tokens_per_batch: int = 4096
 
     def __post_init__(self) -> None:
-        if self.format != DataFormat.chitchat and not self.path:
-            raise ConfigError(
-                f"data.path is required for data '{self.name}' (format={self.format.value}): "
-                "set data.path=/path/to/conversations.jsonl."
-            )
         if self.max_length < 4:
             raise ConfigError(f"data.max_length must be >= 4 tokens, got {self.max_length}.")
         if self.num_eval_samples < 0:
@@ -121,6 +116,13 @@ class DataConfig:
             )
 
     def sources(self) -> list[str]:
+        """The files to read; ConfigError when the format needs a path and none is set
+        (checked here, not at config time: entry points that read no data need none)."""
+        if self.format != DataFormat.chitchat and not self.path:
+            raise ConfigError(
+                f"data.path is required for data '{self.name}' (format={self.format.value}): "
+                "set data.path=/path/to/conversations.jsonl."
+            )
         return [p for p in [self.path, *self.extra_paths] if p]
 
 

@@ -1,0 +1,179 @@
+"""Speculative decoding end to end: lossless against the target's own decoding (greedy on
+SmolLM2, in distribution on a small-vocabulary model), and the evaluate entry point with its
+files and MLflow logging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagleforge.config import compose_config
+from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagleforge.speculative.decode import DecodeSettings, SpeculativeDecoder
+from eagleforge.speculative.prompts import load_prompts
+from eagleforge.target import TargetConfig
+from eagleforge.target.hf import HFTarget
+
+pytestmark = pytest.mark.integration
+
+
+def random_draft(target: HFTarget, draft_vocab: int, std: float, seed: int) -> Eagle3Draft:
+    """An untrained draft over the first ``draft_vocab`` target ids."""
+    arch = DraftArchitecture.from_target(
+        target.config, DraftConfig(draft_vocab_size=draft_vocab), target.aux_layer_ids
+    )
+    draft = Eagle3Draft(arch)
+    draft.init_weights(std, torch.Generator().manual_seed(seed))
+    draft.load_embedding(target.input_embedding().detach())
+    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    draft.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
+    return draft.eval()
+
+
+@pytest.mark.parametrize(("topk", "total"), [(1, 4), (3, 8)])
+def test_greedy_output_equals_the_targets_on_smollm2(
+    smollm2_dir: Path, smollm2_tokenizer, topk: int, total: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Random drafts propose garbage; the output must still be the target's greedy decoding."""
+    target = HFTarget.from_pretrained(
+        smollm2_dir, TargetConfig(), torch.float32, torch.device("cpu")
+    )
+    draft = random_draft(target, 4096, 0.02, seed=topk)
+    settings = DecodeSettings(24, 4, topk, total, temperature=0.0)
+    decoder = SpeculativeDecoder(target, draft, settings, {smollm2_tokenizer.eos_token_id})
+    for item in load_prompts("mtbench", multi_turn=False, limit=2):
+        text = smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": item.turns[0]}], add_generation_prompt=True, tokenize=False
+        )
+        ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+        speculative = decoder.generate(ids, torch.Generator().manual_seed(0))
+        plain = decoder.generate_target_only(ids, torch.Generator().manual_seed(0))
+        assert speculative.output_ids == plain.output_ids
+        assert len(plain.output_ids) == 24 or plain.output_ids[-1] == smollm2_tokenizer.eos_token_id
+        assert speculative.target_forwards == 1 + len(speculative.accepted_lengths)
+
+
+def small_vocab_target(vocab: int = 8) -> HFTarget:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        initializer_range=0.4, tie_word_embeddings=False,
+    )  # fmt: skip
+    return HFTarget(LlamaForCausalLM(config).float())
+
+
+def exact_marginals(target: HFTarget, prompt: list[int], temperature: float) -> list[torch.Tensor]:
+    """P(t1), P(t2), P(t3) of the target's sampled continuation, by enumeration."""
+    vocab = target.config.vocab_size
+
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = target.model(input_ids=prefixes).logits[:, -1].float()
+        return torch.softmax(logits / temperature, dim=-1)
+
+    base = torch.tensor([prompt])
+    p1 = next_probs(base)[0]
+    t1 = torch.arange(vocab).unsqueeze(1)
+    p2_given = next_probs(torch.cat([base.expand(vocab, -1), t1], dim=1))  # [t1, t2]
+    joint12 = p1.unsqueeze(1) * p2_given
+    pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))
+    p3_given = next_probs(torch.cat([base.expand(vocab * vocab, -1), pairs], dim=1))
+    joint123 = joint12.reshape(-1, 1) * p3_given
+    return [p1, joint12.sum(0), joint123.sum(0)]
+
+
+@pytest.mark.parametrize(("topk", "total"), [(1, 2), (2, 4)])
+def test_sampled_output_follows_the_targets_distribution(topk: int, total: int) -> None:
+    """Chain (sampled drafts) and tree (top-k drafts) at temperature 0.8 with a draft that
+    disagrees with the target: each generated position's marginal matches the target's
+    (chi-square over 8 tokens, 7 degrees of freedom; 35 is p < 1e-5)."""
+    target = small_vocab_target()
+    draft = random_draft(target, 6, 0.6, seed=7)
+    prompt, temperature, runs = [1, 5, 2], 0.8, 1500
+    decoder = SpeculativeDecoder(
+        target, draft, DecodeSettings(3, 2, topk, total, temperature), set()
+    )
+    counts = torch.zeros(3, 8)
+    generator = torch.Generator().manual_seed(11)
+    accepted = 0
+    for _ in range(runs):
+        result = decoder.generate(prompt, generator)
+        accepted += sum(result.accepted_lengths)
+        for position, token in enumerate(result.output_ids[:3]):
+            counts[position, token] += 1
+    assert accepted > runs // 4  # the draft's proposals are really being accepted
+    for position, expected in enumerate(exact_marginals(target, prompt, temperature)):
+        chi2 = float((((counts[position] - runs * expected) ** 2) / (runs * expected)).sum())
+        assert chi2 < 35.0, (position, chi2, counts[position] / runs, expected)
+
+
+def test_evaluate_entry_point_writes_and_logs(tmp_path: Path) -> None:
+    """Train two checkpoints briefly, evaluate the directory: a table per draft, files, and
+    MLflow metrics and plots; greedy outputs equal the target's."""
+    import mlflow
+
+    from eagleforge.evaluate import run as evaluate
+    from eagleforge.train import run as train
+
+    train(
+        compose_config(
+            [
+                "+model=smollm2",
+                "data=chitchat",
+                "data.max_num_samples=80",
+                "data.num_eval_samples=4",
+                "data.max_length=96",
+                "data.max_tokens_per_batch=384",
+                "trainer.max_num_steps=4",
+                "trainer.save_every_n_steps=2",
+                "trainer.eval_every_n_steps=0",
+                "trainer.progress_bar=false",
+                "optimizer.lr=2e-3",
+                "tracker=console",
+                f"output_root={tmp_path}",
+                f"output_dir={tmp_path / 'train'}",
+            ]  # fmt: skip
+        )
+    )
+    summaries = evaluate(
+        compose_config(
+            [
+                "+model=smollm2",
+                f"eval.draft={tmp_path / 'train'}",
+                "eval.max_prompts=2",
+                "eval.max_new_tokens=16",
+                "eval.num_draft_tokens=3",
+                "tracker=mlflow",
+                "tracker.experiment=eval-test",
+                f"output_root={tmp_path}",
+                f"output_dir={tmp_path / 'eval'}",
+            ]  # fmt: skip
+        )
+    )
+    assert [Path(s.draft).name for s in summaries] == ["step_00000002", "step_00000004"]
+    for summary in summaries:
+        assert summary.greedy_matches_target is True
+        assert summary.tau >= 1.0 and len(summary.acceptance_by_position) == 3
+        assert summary.speedup is not None and summary.num_turns == 2
+    out = tmp_path / "eval" / "eval" / "step_00000004"
+    assert json.loads((out / "summary.json").read_text())["num_turns"] == 2
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["output_ids"] == r["baseline_output_ids"] for r in rows)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name("eval-test")
+    assert experiment is not None
+    (run_,) = client.search_runs([experiment.experiment_id])
+    taus = client.get_metric_history(run_.info.run_id, "eval/tau")
+    assert sorted(m.step for m in taus) == [2, 4]
+    artifacts = {a.path for a in client.list_artifacts(run_.info.run_id)}
+    assert {"step_00000002", "step_00000004", "tau_by_step.png"} <= artifacts
+    per_draft = {a.path for a in client.list_artifacts(run_.info.run_id, "step_00000004")}
+    assert {f"step_00000004/{name}" for name in ("acceptance.png", "summary.json")} <= per_draft
