@@ -25,8 +25,8 @@ from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import load_sglang
 from eagleforge.parallel import resolve_device
-from eagleforge.speculative.decode import SpeculativeDecoder
-from eagleforge.speculative.prompts import load_prompts
+from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
+from eagleforge.speculative.prompts import load_prompts, render_prompt
 from eagleforge.speculative.report import (
     Summary,
     TurnRecord,
@@ -95,14 +95,6 @@ def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draf
     return draft.to(device).eval()
 
 
-def eos_ids(tokenizer: Any, target: HFTarget) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    generation = getattr(target.model, "generation_config", None)
-    configured = getattr(generation, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return {int(i) for i in ids if i is not None}
-
-
 def evaluate_draft(
     config: EagleForgeConfig,
     decoder: SpeculativeDecoder,
@@ -117,10 +109,7 @@ def evaluate_draft(
         messages: list[dict[str, str]] = []
         for turn, text in enumerate(item.turns):
             messages.append({"role": "user", "content": text})
-            rendered = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-            prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            prompt_ids = render_prompt(tokenizer, messages)
             seed = config.seed * 100_003 + index * 101 + turn
             generator = torch.Generator(device).manual_seed(seed)
             speculative = decoder.generate(prompt_ids, generator)

@@ -86,6 +86,13 @@ class MLflowTracker:
         import mlflow
 
         self.mlflow = mlflow
+        active = mlflow.active_run()
+        # Inside a run someone else started (a notebook, a sweep driver): log into it.
+        self.owns_run = active is None
+        if active is not None:
+            self.tracking_uri = mlflow.get_tracking_uri()
+            self.run, self.run_id = active, active.info.run_id
+            return
         self.tracking_uri = tracking_uri
         mlflow.set_tracking_uri(tracking_uri)
         client = mlflow.MlflowClient()
@@ -119,7 +126,8 @@ class MLflowTracker:
             self.mlflow.log_artifact(str(path))
 
     def close(self) -> None:
-        self.mlflow.end_run()
+        if self.owns_run:
+            self.mlflow.end_run()
 
 
 class NullTracker(ConsoleTracker):

@@ -26,6 +26,7 @@ from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import exit_on_user_error
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
+from eagleforge.speculative.probe import TauProbe
 from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import load_tokenizer, resolve_model_dir
 from eagleforge.target.teacher import teacher_batch
@@ -138,6 +139,11 @@ def run(cfg: DictConfig) -> TrainResult:
         device=device,
         output_dir=output_dir,
         config_yaml=config_yaml,
+        tau_probe=TauProbe(
+            config.eval, trainer_cfg.eval_tau_prompts, target, tokenizer, config.seed
+        )
+        if trainer_cfg.eval_tau_every_n_steps
+        else None,
     )
     result = trainer.train()
     summary = {
@@ -145,6 +151,8 @@ def run(cfg: DictConfig) -> TrainResult:
         "checkpoint": str(result.checkpoint),
         "initial_eval": result.initial_eval,
         "final_eval": result.final_eval,
+        "tau_by_step": result.tau_by_step,
+        "best_checkpoint": str(result.best_checkpoint) if result.best_checkpoint else None,
     }
     summary_path = output_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -170,6 +178,10 @@ def print_summary(result: TrainResult, tracker: object) -> None:
         lines.append(
             f"tau_sim (simulated acceptance length): {before_tau}{final['eval/tau_sim']:.3f}"
         )
+    if result.tau_by_step:
+        taus = ", ".join(f"step {k}: {v:.3f}" for k, v in result.tau_by_step.items())
+        lines.append(f"real tau (speculative decoding): {taus}")
+        lines.append(f"best-tau checkpoint: {result.best_checkpoint}")
     lines.append(f"checkpoint (SGLang draft dir): {result.checkpoint}")
     if isinstance(tracker, MLflowTracker):
         lines.append(f"browse the run: mlflow ui --backend-store-uri {tracker.tracking_uri}")

@@ -53,6 +53,12 @@ class TrainerConfig:
     eval_at_start: bool = True
     # Save a checkpoint every N optimizer steps (0 = only at the end).
     save_every_n_steps: int = 0
+    # Measure the real acceptance length τ by speculative decoding (eval.* decoding settings,
+    # eval.prompts) every N optimizer steps and at the end; the checkpoint with the best τ is
+    # kept in checkpoints/best. 0 = off.
+    eval_tau_every_n_steps: int = 0
+    # Prompts (first turns) used for that measurement.
+    eval_tau_prompts: int = 4
     # Show a tqdm progress bar.
     progress_bar: bool = True
 
@@ -64,7 +70,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.max_num_steps must be >= 1 or null, got {self.max_num_steps}."
             )
-        for name in ("eval_every_n_steps", "save_every_n_steps"):
+        if self.eval_tau_prompts < 1:
+            raise ConfigError(
+                f"trainer.eval_tau_prompts must be >= 1, got {self.eval_tau_prompts}."
+            )
+        for name in ("eval_every_n_steps", "save_every_n_steps", "eval_tau_every_n_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name} must be >= 0, got {getattr(self, name)}.")
 
@@ -117,6 +127,8 @@ class TrainResult:
     initial_eval: dict[str, float] = field(default_factory=dict)
     train_losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
+    tau_by_step: dict[int, float] = field(default_factory=dict)  # real τ measurements
+    best_checkpoint: Path | None = None  # the checkpoint with the best real τ
 
 
 class Trainer:
@@ -138,6 +150,7 @@ class Trainer:
         device: torch.device,
         output_dir: Path,
         config_yaml: str,
+        tau_probe: Callable[[Eagle3Draft], float] | None = None,
     ) -> None:
         self.draft, self.make_batch = draft, make_batch
         self.train_loader, self.eval_loader = train_loader, eval_loader
@@ -148,6 +161,7 @@ class Trainer:
         self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
         self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml
         self.step, self.epoch, self.batches_into_epoch = 0, 0, 0
+        self.tau_probe = tau_probe if cfg.eval_tau_every_n_steps else None
         self.autocast = torch.autocast(
             device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"
         )
@@ -214,13 +228,13 @@ class Trainer:
         self.draft.train()
         return sums.metrics("eval", self.weights_k)
 
-    def save(self) -> Path:
+    def save(self, name: str | None = None) -> Path:
         progress = {
             "step": self.step,
             "epoch": self.epoch,
             "batches_into_epoch": self.batches_into_epoch,
         }
-        path = self.output_dir / "checkpoints" / f"step_{self.step:08d}"
+        path = self.output_dir / "checkpoints" / (name or f"step_{self.step:08d}")
         return save_checkpoint(
             path, self.draft, self.optimizer, self.scheduler, progress, self.config_yaml
         )
@@ -230,6 +244,18 @@ class Trainer:
         self.tracker.log_metrics(metrics, step=self.step)
         result.final_eval = metrics
         return metrics
+
+    def _measure_tau(self, result: TrainResult) -> None:
+        """Real τ of the current draft; a new best is saved as checkpoints/best."""
+        assert self.tau_probe is not None
+        tau = self.tau_probe(self.draft)
+        best = max(result.tau_by_step.values(), default=float("-inf"))
+        result.tau_by_step[self.step] = tau
+        metrics = {"eval/tau": tau}
+        if tau > best:
+            result.best_checkpoint = self.save("best")
+            metrics["eval/best_tau_step"] = float(self.step)
+        self.tracker.log_metrics(metrics, step=self.step)
 
     def train(self) -> TrainResult:
         cfg, result = self.cfg, TrainResult(step=0)
@@ -278,6 +304,10 @@ class Trainer:
                 self._eval_and_log(result)
             if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0:
                 result.checkpoint = self.save()
+            if self.tau_probe is not None and (
+                self.step % cfg.eval_tau_every_n_steps == 0 or self.step == self.max_num_steps
+            ):
+                self._measure_tau(result)
         bar.close()
         if self.eval_loader is not None and not (
             cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0

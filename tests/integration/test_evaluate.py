@@ -177,3 +177,35 @@ def test_evaluate_entry_point_writes_and_logs(tmp_path: Path) -> None:
     assert {"step_00000002", "step_00000004", "tau_by_step.png"} <= artifacts
     per_draft = {a.path for a in client.list_artifacts(run_.info.run_id, "step_00000004")}
     assert {f"step_00000004/{name}" for name in ("acceptance.png", "summary.json")} <= per_draft
+
+
+def test_training_measures_real_tau_and_keeps_the_best_checkpoint(tmp_path: Path) -> None:
+    from eagleforge.formats import load_sglang
+    from eagleforge.train import run as train
+
+    result = train(
+        compose_config(
+            [
+                "+model=smollm2",
+                "data=chitchat",
+                "data.max_num_samples=60",
+                "data.num_eval_samples=4",
+                "data.max_length=96",
+                "data.max_tokens_per_batch=384",
+                "trainer.max_num_steps=3",
+                "trainer.eval_tau_every_n_steps=2",
+                "trainer.eval_tau_prompts=1",
+                "eval.max_new_tokens=8",
+                "trainer.progress_bar=false",
+                "tracker=console",
+                f"output_root={tmp_path}",
+                f"output_dir={tmp_path / 'train'}",
+            ]  # fmt: skip
+        )
+    )
+    assert sorted(result.tau_by_step) == [2, 3]  # every 2 steps and at the end
+    assert all(tau >= 1.0 for tau in result.tau_by_step.values())
+    assert result.best_checkpoint == tmp_path / "train" / "checkpoints" / "best"
+    load_sglang(result.best_checkpoint)  # a complete draft directory
+    summary = json.loads((tmp_path / "train" / "summary.json").read_text())
+    assert summary["tau_by_step"] == {str(k): v for k, v in result.tau_by_step.items()}

@@ -493,6 +493,15 @@ def accept_proposals(
     return None, _sample(residual, generator)
 
 
+def eos_ids(tokenizer: Any, target: HFTarget) -> set[int]:
+    """Token ids that end an answer: the tokenizer's and the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    generation = getattr(target.model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {int(i) for i in ids if i is not None}
+
+
 def _hidden(node: Node) -> torch.Tensor:
     assert node.hidden_H is not None, "a parent is always fed before its children"
     return node.hidden_H

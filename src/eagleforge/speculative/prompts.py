@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eagleforge.data.conversations import ROLE_ALIASES, DataFormat, RowError, read_rows
 from eagleforge.errors import DataError
@@ -51,6 +52,12 @@ def load_prompts(source: str, multi_turn: bool, limit: int | None = None) -> lis
     if not items:
         raise DataError(f"{path}: holds no prompts.")
     return items
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ending with a user turn, with the generation prompt."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _user_turns(row: object, where: str) -> list[str]:
