@@ -44,3 +44,11 @@ def smollm2_tokenizer(smollm2_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(autouse=True)
+def _no_mlflow_uri_between_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI: undo it after every test, so that
+    no test logs into another test's store."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "unset")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")

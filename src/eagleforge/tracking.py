@@ -94,7 +94,14 @@ class MLflowTracker:
             self.run, self.run_id = active, active.info.run_id
             return
         self.tracking_uri = tracking_uri
+        previous = os.environ.get("MLFLOW_TRACKING_URI")
         mlflow.set_tracking_uri(tracking_uri)
+        # mlflow also exports the URI to the environment, where the next run built in this
+        # process (a sweep, a notebook) would mistake it for the user's MLFLOW_TRACKING_URI.
+        if previous is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
         client = mlflow.MlflowClient()
         found = client.get_experiment_by_name(experiment)
         if found is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,12 @@ from eagleforge.tracking import MLflowTracker
 pytestmark = pytest.mark.unit
 
 
-def test_logs_into_an_active_run_and_leaves_it_open(tmp_path: Path) -> None:
+def test_logs_into_an_active_run_and_leaves_it_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import mlflow
 
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.create_experiment("outer", artifact_location=tmp_path.as_uri())
@@ -27,9 +31,10 @@ def test_logs_into_an_active_run_and_leaves_it_open(tmp_path: Path) -> None:
     assert [(m.step, m.value) for m in history] == [(3, 1.5)]
 
 
-def test_starts_and_ends_its_own_run(tmp_path: Path) -> None:
+def test_starts_and_ends_its_own_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mlflow
 
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = MLflowTracker(uri, "own", "run-a", tmp_path / "artifacts")
     tracker.log_metrics({"train/loss": 2.0}, step=1)
@@ -37,3 +42,5 @@ def test_starts_and_ends_its_own_run(tmp_path: Path) -> None:
     assert mlflow.active_run() is None
     run_ = mlflow.MlflowClient(uri).get_run(tracker.run_id)
     assert run_.data.metrics["train/loss"] == 2.0 and run_.info.run_name == "run-a"
+    # the store of this run does not leak into the next one's default
+    assert "MLFLOW_TRACKING_URI" not in os.environ
