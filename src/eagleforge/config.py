@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.data.dataset import DataConfig
+from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
 from eagleforge.draft.model import DraftConfig
 from eagleforge.errors import ConfigError
@@ -52,6 +53,8 @@ class EagleForgeConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Options of eagleforge.inspect_data.
     inspect: InspectConfig = field(default_factory=InspectConfig)
+    # Options of eagleforge.prepare (capturing a feature store for offline training).
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     # Options of eagleforge.evaluate (speculative decoding with a trained draft).
     eval: EvalConfig = field(default_factory=EvalConfig)
     # Seed of weights init, data split and shuffling.

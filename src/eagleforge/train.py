@@ -8,11 +8,15 @@ Builds the components from the typed config and hands them to the Trainer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 import numpy as np
@@ -20,13 +24,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
-from eagleforge.data.dataset import TokenizedDataset, build_datasets, make_loader
+from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets, make_loader
+from eagleforge.data.features import FeatureDataset, Manifest
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import exit_on_user_error
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
+from eagleforge.prepare import expected_manifest
 from eagleforge.speculative.probe import TauProbe
+from eagleforge.target.head import HeadOnlyTarget
 from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import load_tokenizer, resolve_model_dir
 from eagleforge.target.teacher import teacher_batch
@@ -42,6 +49,71 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass
+class Inputs:
+    """The data and the target a run trains from."""
+
+    train: TokenizedDataset | FeatureDataset
+    eval: TokenizedDataset | FeatureDataset | None
+    target: Any  # HFTarget online, HeadOnlyTarget offline
+    token_samples: Iterable[tuple[list[int], list[int]]]  # for the draft vocab map
+    vocab_cache_dir: Path
+    report: DataReport | None  # preprocessing counts (online)
+
+
+def online_inputs(
+    config: EagleForgeConfig, model_dir: Any, tokenizer: Any, device: torch.device, cache_dir: Path
+) -> Inputs:
+    """Tokenized conversations; the full target runs in every step."""
+    data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    target = HFTarget.from_pretrained(
+        model_dir,
+        config.target,
+        config.model.dtype.torch_dtype(device),
+        device,
+        aux_layer_ids=config.model.aux_layer_ids,
+        trust_remote_code=config.model.trust_remote_code,
+        revision=config.model.revision,
+    )
+    vocab_dir = Path(cache_dir) / "vocab" / data.cache_key
+    return Inputs(data.train, data.eval, target, data.train, vocab_dir, data.report)
+
+
+def offline_inputs(
+    config: EagleForgeConfig, model_dir: Path, device: torch.device, cache_dir: Path
+) -> Inputs:
+    """A feature store from eagleforge.prepare, checked against this run; the target's
+    embedding and lm_head only."""
+    store = Path(config.data.features or "")
+    verify = config.data.verify_features
+    train_set = FeatureDataset(store / "train", verify)
+    eval_set = (
+        FeatureDataset(store / "eval", verify)
+        if (store / "eval" / "manifest.json").is_file()
+        else None
+    )
+    dtype = config.model.dtype.torch_dtype(device)
+    target = HeadOnlyTarget(model_dir, dtype, device, config.model.aux_layer_ids)
+    expected = expected_manifest(config, model_dir, target.aux_layer_ids, dtype)
+    for dataset in (train_set, eval_set):
+        if dataset is not None:
+            reference = {**asdict(dataset.manifest), **expected}
+            dataset.manifest.check_matches(Manifest(**reference), dataset.store)
+    key = hashlib.sha256(
+        f"{store.resolve()}|{train_set.manifest.data_key}|{train_set.manifest.weight_hash}".encode()
+    ).hexdigest()[:16]
+    samples = (sample for sample in _lazy(train_set.token_samples))
+    vocab_dir = Path(cache_dir) / "vocab" / f"features-{key}"
+    return Inputs(train_set, eval_set, target, samples, vocab_dir, None)
+
+
+def _lazy(
+    read: Callable[[], list[tuple[list[int], list[int]]]],
+) -> Iterator[tuple[list[int], list[int]]]:
+    """Read only when iterated: the vocab map is usually cached."""
+    yield from read()
+
+
 def run(cfg: DictConfig) -> TrainResult:
     """Build everything from a composed config and train; returns the trainer's result."""
     config: EagleForgeConfig = to_typed(cfg)
@@ -54,30 +126,23 @@ def run(cfg: DictConfig) -> TrainResult:
 
     model_dir = resolve_model_dir(config.model, cache_dir)
     tokenizer = load_tokenizer(config.model, model_dir)
-    data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
-    train_set, eval_set = data.train, data.eval
+    if config.data.features:
+        inputs = offline_inputs(config, Path(model_dir), device, cache_dir)
+    else:
+        inputs = online_inputs(config, model_dir, tokenizer, device, cache_dir)
+    train_set, eval_set, target = inputs.train, inputs.eval, inputs.target
     log.info(
         "data: %d train / %d eval conversations, %d train tokens",
         len(train_set),
         len(eval_set or []),
         train_set.num_tokens(),
     )
-
-    target = HFTarget.from_pretrained(
-        model_dir,
-        config.target,
-        config.model.dtype.torch_dtype(device),
-        device,
-        aux_layer_ids=config.model.aux_layer_ids,
-        trust_remote_code=config.model.trust_remote_code,
-        revision=config.model.revision,
-    )
     arch = DraftArchitecture.from_target(target.config, config.draft, target.aux_layer_ids)
     vocab = cached_vocab_map(
-        train_set,
+        inputs.token_samples,
         arch.vocab_size,
         arch.draft_vocab_size,
-        data.vocab_cache_file(cache_dir, arch.vocab_size, arch.draft_vocab_size),
+        inputs.vocab_cache_dir / f"{arch.vocab_size}-{arch.draft_vocab_size}.safetensors",
     )
     draft = Eagle3Draft(arch, recompute_mlp=config.draft.recompute_mlp)
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
@@ -91,12 +156,14 @@ def run(cfg: DictConfig) -> TrainResult:
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
     packing = (
-        config.data.packing if config.data.packing is not None else config.target.supports_packing()
+        config.data.packing
+        if config.data.packing is not None
+        else bool(config.data.features) or config.target.supports_packing()
     )
     if packing:
         log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
 
-    def loader(dataset: TokenizedDataset, shuffle_seed: int | None) -> torch.utils.data.DataLoader:
+    def loader(dataset: Any, shuffle_seed: int | None) -> torch.utils.data.DataLoader:
         return make_loader(
             dataset,
             packing,
@@ -119,7 +186,8 @@ def run(cfg: DictConfig) -> TrainResult:
     run_name = f"{config.model.name}-{config.data.name}-{output_dir.name}"
     tracker = build_tracker(config.tracker, config.output_root, run_name)
     tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
-    tracker.log_metrics(data.report.metrics("data"), step=0)
+    if inputs.report is not None:
+        tracker.log_metrics(inputs.report.metrics("data"), step=0)
 
     trainer = Trainer(
         draft=draft,

@@ -613,8 +613,6 @@ def test_build_datasets_holdout_split(
     assert again.cache_key == prepared.cache_key
     assert prepared.cache_key.endswith("-holdout1-seed3")
     assert build_datasets(cfg, smollm2_tokenizer, cache, seed=4).cache_key != prepared.cache_key
-    vocab_file = prepared.vocab_cache_file(cache, 100, 10)
-    assert vocab_file == cache / "vocab" / f"{prepared.cache_key}-100-10.safetensors"
 
 
 def test_build_datasets_eval_path_and_no_eval(

@@ -38,6 +38,7 @@ from eagleforge.data.conversations import (
     preformatted_text,
     read_rows,
 )
+from eagleforge.data.features import FeatureDataset
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
 from eagleforge.data.template import make_renderer, tokenize_rendered
@@ -87,6 +88,12 @@ class DataConfig:
     on_error: OnError = OnError.raise_
     # Processes used for preprocessing.
     num_proc: int = 1
+    # A feature store written by eagleforge.prepare: train offline from its hidden states
+    # (the target's layers are not loaded). null = online.
+    features: str | None = None
+    # With features: check every shard's sha256 before training (reads the whole store);
+    # sizes and headers are always checked.
+    verify_features: bool = False
     # Pack whole conversations into rows instead of padding (a micro-batch is then one row of
     # max_tokens_per_batch tokens and trainer.batch_size is unused); null = when the target
     # backend supports it.
@@ -434,15 +441,6 @@ class PreparedData:
     report: DataReport  # of the training source, before the hold-out split
     cache_key: str  # identifies the training rows: the cache entry name plus the split
 
-    def vocab_cache_file(
-        self, cache_dir: str | Path, vocab_size: int, draft_vocab_size: int
-    ) -> Path:
-        return (
-            Path(cache_dir)
-            / "vocab"
-            / f"{self.cache_key}-{vocab_size}-{draft_vocab_size}.safetensors"
-        )
-
 
 def build_datasets(
     cfg: DataConfig, tokenizer: Any, cache_dir: str | Path, seed: int
@@ -474,20 +472,30 @@ def build_datasets(
 
 @dataclass
 class Collator:
-    """Right-pads a list of samples into tensors: input_ids, attention_mask, loss_mask [B, T]."""
+    """Right-pads a list of samples into tensors: input_ids, attention_mask, loss_mask [B, T];
+    samples from a feature store also carry aux [T, A] and final [T, H] hidden states, padded
+    with zeros into aux_hidden [B, T, A] and final_hidden [B, T, H]."""
 
     pad_token_id: int
 
-    def __call__(self, samples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-        length = max(len(ids) for ids, _ in samples)
+    def __call__(self, samples: list[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
+        length = max(len(sample[0]) for sample in samples)
         input_ids = torch.full((len(samples), length), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(samples), length), dtype=torch.bool)
         loss_mask = torch.zeros((len(samples), length), dtype=torch.bool)
-        for row, (ids, mask) in enumerate(samples):
+        for row, (ids, mask, *_) in enumerate(samples):
             input_ids[row, : len(ids)] = torch.as_tensor(ids)
             attention[row, : len(ids)] = True
             loss_mask[row, : len(mask)] = torch.as_tensor(mask, dtype=torch.bool)
-        return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+        batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+        if len(samples[0]) == 4:
+            for key, position in (("aux_hidden", 2), ("final_hidden", 3)):
+                first = samples[0][position]
+                out = first.new_zeros(len(samples), length, first.shape[-1])
+                for row, sample in enumerate(samples):
+                    out[row, : len(sample[position])] = sample[position]
+                batch[key] = out
+        return batch
 
 
 def pack_indices(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
@@ -508,25 +516,30 @@ def pack_indices(lengths: list[int], order: list[int], max_tokens: int) -> list[
 
 @dataclass
 class PackedCollator:
-    """Concatenates samples into one row [1, L] with document_ids and per-document position_ids."""
+    """Concatenates samples into one row [1, L] with document_ids and per-document
+    position_ids (and the feature store's hidden states, when samples carry them)."""
 
-    def __call__(self, samples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-        ids = [torch.as_tensor(i) for i, _ in samples]
-        return {
+    def __call__(self, samples: list[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
+        ids = [torch.as_tensor(sample[0]) for sample in samples]
+        batch = {
             "input_ids": torch.cat(ids).unsqueeze(0),
             "attention_mask": torch.ones(1, sum(len(i) for i in ids), dtype=torch.bool),
             "loss_mask": torch.cat(
-                [torch.as_tensor(m, dtype=torch.bool) for _, m in samples]
+                [torch.as_tensor(sample[1], dtype=torch.bool) for sample in samples]
             ).unsqueeze(0),
             "document_ids": torch.cat(
                 [torch.full((len(i),), n) for n, i in enumerate(ids)]
             ).unsqueeze(0),
             "position_ids": torch.cat([torch.arange(len(i)) for i in ids]).unsqueeze(0),
         }
+        if len(samples[0]) == 4:
+            batch["aux_hidden"] = torch.cat([sample[2] for sample in samples]).unsqueeze(0)
+            batch["final_hidden"] = torch.cat([sample[3] for sample in samples]).unsqueeze(0)
+        return batch
 
 
 def make_loader(
-    dataset: TokenizedDataset,
+    dataset: TokenizedDataset | FeatureDataset,
     packing: bool,
     max_tokens_per_batch: int,
     batch_size: int,
@@ -548,6 +561,10 @@ def make_loader(
         return torch.utils.data.DataLoader(
             dataset, batch_sampler=batches, collate_fn=Collator(pad_token_id)
         )
-    lengths = [len(ids) for ids in dataset.input_ids]
+    lengths = (
+        dataset.lengths()
+        if isinstance(dataset, FeatureDataset)
+        else [len(ids) for ids in dataset.input_ids]
+    )
     rows = pack_indices(lengths, order, max_tokens_per_batch)
     return torch.utils.data.DataLoader(dataset, batch_sampler=rows, collate_fn=PackedCollator())

@@ -12,6 +12,7 @@ import torch
 
 from eagleforge.draft.loss import rows_per_chunk
 from eagleforge.draft.ttt import Teacher, TTTBatch, shift_left
+from eagleforge.target import TargetOutput
 
 
 @torch.no_grad()
@@ -64,7 +65,12 @@ def teacher_batch(
 ) -> TTTBatch:
     """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``)."""
     document_ids, position_ids = batch.get("document_ids"), batch.get("position_ids")
-    out = target.forward(batch["input_ids"], batch["attention_mask"], document_ids, position_ids)
+    if "aux_hidden" in batch:  # offline: captured by eagleforge.prepare
+        out = TargetOutput(batch["aux_hidden"], batch["final_hidden"])
+    else:
+        out = target.forward(
+            batch["input_ids"], batch["attention_mask"], document_ids, position_ids
+        )
     # The teacher at position p is only ever used to predict a supervised token x_{p+1}.
     needed_BT = shift_left(batch["loss_mask"] & batch["attention_mask"], 1)
     teacher = compute_teacher(

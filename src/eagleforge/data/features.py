@@ -1,0 +1,249 @@
+"""The offline feature store: the target's hidden states captured once, read memory-mapped.
+
+Layout of a store directory (one per data split: ``train/``, ``eval/``)::
+
+    manifest.json             what was captured: target identity and weight hash, aux layer
+                              ids, template, max length, dtypes, planned shards and samples
+    shard_00000.safetensors   the shard's samples back to back: input_ids int32 [N],
+                              loss_mask uint8 [N], aux [N, 3·Ht], final [N, Ht],
+                              offsets int64 [n+1], sample_index int64 [n]
+    shard_00000.json          written after its shard: samples, tokens, bytes, sha256 and the
+                              samples left out for non-finite values -- a shard counts as
+                              complete only when this exists and the sizes agree
+
+Shards are written under a temporary name and renamed when complete, so a killed capture
+leaves whole shards only; re-running it skips them. Everything is safetensors or JSON:
+nothing is unpickled. Readers open shards with ``safe_open`` (memory-mapped) and read one
+sample's rows on demand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagleforge.errors import ConfigError, DataError
+
+FORMAT = "eagleforge-features"
+VERSION = 1
+
+
+@dataclass
+class PrepareConfig:
+    """The `prepare` config section: ``python -m eagleforge.prepare``."""
+
+    # Where to write the store (train/ and eval/ inside); required.
+    output_dir: str | None = None
+    # Samples per shard (the unit of atomic writing and of resuming).
+    samples_per_shard: int = 256
+    # Samples per target forward while capturing.
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("samples_per_shard", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"prepare.{name} must be >= 1, got {getattr(self, name)}.")
+
+
+@dataclass
+class Manifest:
+    """What a store holds; compared field by field with the run that reads it."""
+
+    target: str  # model name
+    weight_hash: str  # see ``weight_hash``
+    vocab_size: int
+    hidden_size: int
+    aux_layer_ids: list[int]
+    template: str
+    max_length: int
+    data_key: str  # the tokenized data's cache key (rows, template, tokenizer, split)
+    dtype: str  # of aux and final
+    samples_per_shard: int
+    num_samples: int
+    num_shards: int
+    format: str = FORMAT
+    version: int = VERSION
+
+    def write(self, store: Path) -> None:
+        _write_json(store / "manifest.json", asdict(self))
+
+    @classmethod
+    def read(cls, store: Path) -> Manifest:
+        path = store / "manifest.json"
+        if not path.is_file():
+            raise DataError(
+                f"{store}: no manifest.json; not a feature store (run eagleforge.prepare)."
+            )
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise DataError(f"{path}: not an {FORMAT} v{VERSION} manifest.")
+        return cls(**data)
+
+    def check_matches(self, expected: Manifest, store: Path) -> None:
+        """DataError naming every field where the store differs from what the run expects."""
+        fields = ("target", "weight_hash", "vocab_size", "hidden_size", "aux_layer_ids",
+                  "template", "max_length")  # fmt: skip
+        diffs = [
+            f"{name}: store has {getattr(self, name)!r}, the run needs {getattr(expected, name)!r}"
+            for name in fields
+            if getattr(self, name) != getattr(expected, name)
+        ]
+        if diffs:
+            raise DataError(
+                f"{store} was captured for another setup ({'; '.join(diffs)}); capture it "
+                "again with eagleforge.prepare for this run, or point data.features elsewhere."
+            )
+
+
+def weight_hash(model_dir: Path) -> str:
+    """Identity of the target's weights without reading them all: sha256 over each weight
+    file's name, size, safetensors header and 16 sampled 64 KiB blocks."""
+    digest = hashlib.sha256()
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little") if path.suffix == ".safetensors" else 0
+            digest.update(f.read(min(header_len, 1 << 24)))
+            for i in range(16):
+                f.seek(size * i // 16)
+                digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:32]
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}"
+
+
+def shard_complete(store: Path, index: int) -> bool:
+    """The shard's sidecar exists and its file has the recorded size."""
+    meta = store / f"{shard_name(index)}.json"
+    data = store / f"{shard_name(index)}.safetensors"
+    if not meta.is_file() or not data.is_file():
+        return False
+    return bool(json.loads(meta.read_text())["bytes"] == data.stat().st_size)
+
+
+def write_shard(
+    store: Path,
+    index: int,
+    samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    nonfinite: list[int],
+) -> dict[str, Any]:
+    """Write one shard atomically: samples are (sample index, ids [T], mask [T], aux [T, A],
+    final [T, H]); returns its sidecar record."""
+    name = shard_name(index)
+    lengths = [len(ids) for _, ids, _, _, _ in samples]
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    tensors = {
+        "input_ids": torch.cat([s[1] for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s[2] for s in samples]).to(torch.uint8),
+        "aux": torch.cat([s[3] for s in samples]).contiguous(),
+        "final": torch.cat([s[4] for s in samples]).contiguous(),
+        "offsets": offsets,
+        "sample_index": torch.tensor([s[0] for s in samples], dtype=torch.int64),
+    }
+    tmp = store / f".tmp-{name}.safetensors"
+    save_file(tensors, str(tmp))
+    with tmp.open("rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+        os.fsync(f.fileno())
+    final_path = store / f"{name}.safetensors"
+    os.replace(tmp, final_path)
+    record = {
+        "samples": len(samples),
+        "tokens": int(offsets[-1]),
+        "bytes": final_path.stat().st_size,
+        "sha256": sha,
+        "nonfinite_samples": nonfinite,
+    }
+    _write_json(store / f"{name}.json", record)
+    return record
+
+
+class FeatureDataset(torch.utils.data.Dataset):
+    """Samples of a store: (input_ids, loss_mask, aux [T, A], final [T, H]), read on demand
+    from memory-mapped shards. Opening checks every shard's presence and size (and, with
+    ``verify_checksums``, its sha256) and names the first bad one."""
+
+    def __init__(self, store: str | Path, verify_checksums: bool = False) -> None:
+        self.store = Path(store)
+        self.manifest = Manifest.read(self.store)
+        self._handles: dict[int, Any] = {}
+        self._index: list[tuple[int, int, int]] = []  # (shard, start, end)
+        for shard in range(self.manifest.num_shards):
+            path = self.store / f"{shard_name(shard)}.safetensors"
+            if not shard_complete(self.store, shard):
+                raise DataError(
+                    f"{path}: missing, truncated or not finished (size differs from its "
+                    f"{shard_name(shard)}.json); re-run the same eagleforge.prepare command "
+                    "to complete the store."
+                )
+            if verify_checksums:
+                record = json.loads((self.store / f"{shard_name(shard)}.json").read_text())
+                if hashlib.sha256(path.read_bytes()).hexdigest() != record["sha256"]:
+                    raise DataError(
+                        f"{path}: checksum mismatch (corrupted); delete it and its .json, then "
+                        "re-run eagleforge.prepare to capture it again."
+                    )
+            try:
+                offsets = self._open(shard).get_tensor("offsets").tolist()
+            except Exception as e:  # safetensors raises its own error types on bad headers
+                raise DataError(f"{path}: unreadable shard ({e}); capture it again.") from None
+            self._index.extend((shard, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1))
+
+    def _open(self, shard: int) -> Any:
+        if shard not in self._handles:
+            path = self.store / f"{shard_name(shard)}.safetensors"
+            self._handles[shard] = safe_open(str(path), framework="pt")
+        return self._handles[shard]
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers reopen their own handles
+        return {**self.__dict__, "_handles": {}}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def lengths(self) -> list[int]:
+        return [end - start for _, start, end in self._index]
+
+    def num_tokens(self) -> int:
+        return sum(self.lengths())
+
+    def __getitem__(self, index: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+        shard, start, end = self._index[index]
+        handle = self._open(shard)
+        return (
+            handle.get_slice("input_ids")[start:end].tolist(),
+            handle.get_slice("loss_mask")[start:end].tolist(),
+            handle.get_slice("aux")[start:end],
+            handle.get_slice("final")[start:end],
+        )
+
+    def token_samples(self) -> list[tuple[list[int], list[int]]]:
+        """(input_ids, loss_mask) of every sample (ids and masks only: 5 bytes a token)."""
+        out: list[tuple[list[int], list[int]]] = []
+        for shard in range(self.manifest.num_shards):
+            handle = self._open(shard)
+            ids, mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+            offsets = handle.get_tensor("offsets").tolist()
+            out.extend(
+                (ids[a:b].tolist(), mask[a:b].tolist())
+                for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+            )
+        return out

@@ -1,0 +1,185 @@
+"""Capture the target's hidden states once into a feature store, for offline training.
+
+    python -m eagleforge.prepare +model=smollm2 data=chitchat prepare.output_dir=/data/features
+    python -m eagleforge.train +model=smollm2 data=chitchat data.features=/data/features
+
+Uses the same data path, template and cache as training. Prints the store's expected size and
+refuses to start when the disk lacks room; writes shard by shard, atomically; re-running the
+same command after a crash continues with the first missing shard. Under torchrun each rank
+captures every WORLD_SIZE-th shard. See docs/offline.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.data.dataset import Collator, TokenizedDataset, build_datasets
+from eagleforge.data.features import Manifest, shard_complete, weight_hash, write_shard
+from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.parallel import resolve_device
+from eagleforge.target.hf import HFTarget
+from eagleforge.target.source import load_tokenizer, resolve_model_dir
+
+log = logging.getLogger("eagleforge.prepare")
+
+
+def expected_manifest(
+    config: EagleForgeConfig, model_dir: Path, aux_layer_ids: list[int], dtype: torch.dtype
+) -> dict[str, object]:
+    """The manifest fields a store must have for this run (target, layers, template, length)."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    return {
+        "target": config.model.name,
+        "weight_hash": weight_hash(model_dir),
+        "vocab_size": int(text.vocab_size),
+        "hidden_size": int(text.hidden_size),
+        "aux_layer_ids": list(aux_layer_ids),
+        "template": config.data.template,
+        "max_length": config.data.max_length,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
+    """aux (3 H) + final (H) hidden states, int32 id and uint8 mask."""
+    return 4 * hidden_size * dtype.itemsize + 5
+
+
+def capture_split(
+    store: Path,
+    dataset: TokenizedDataset,
+    manifest: Manifest,
+    target: HFTarget,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, int]:
+    """Capture the missing shards of this rank into ``store``; counts of what was written."""
+    store.mkdir(parents=True, exist_ok=True)
+    if (store / "manifest.json").is_file():
+        Manifest.read(store).check_matches(manifest, store)
+    else:
+        manifest.write(store)
+    per_shard = manifest.samples_per_shard
+    todo = [
+        shard
+        for shard in range(manifest.num_shards)
+        if shard % world_size == rank and not shard_complete(store, shard)
+    ]
+    lengths = [len(ids) for ids in dataset.input_ids]
+    tokens = sum(sum(lengths[s * per_shard : (s + 1) * per_shard]) for s in todo)
+    counts = {"shards": len(todo), "samples": 0, "tokens": 0, "nonfinite": 0}
+    device = target.model.device
+    collate = Collator(pad_token_id=0)
+    bar = tqdm(total=tokens, desc=f"capture {store.name}", unit="tok", unit_scale=True)
+    for shard in todo:
+        indices = list(range(shard * per_shard, min((shard + 1) * per_shard, len(dataset))))
+        samples, nonfinite = [], []
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            batch = collate([dataset[i] for i in chunk])
+            out = target.forward(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            for row, index in enumerate(chunk):
+                n = lengths[index]
+                aux, final = out.aux_BTA[row, :n].cpu(), out.final_hidden_BTH[row, :n].cpu()
+                if not (bool(torch.isfinite(aux).all()) and bool(torch.isfinite(final).all())):
+                    nonfinite.append(index)
+                    continue
+                ids, mask = batch["input_ids"][row, :n], batch["loss_mask"][row, :n]
+                samples.append((index, ids, mask, aux, final))
+            bar.update(sum(lengths[i] for i in chunk))
+        record = write_shard(store, shard, samples, nonfinite)
+        counts["samples"] += record["samples"]
+        counts["tokens"] += record["tokens"]
+        counts["nonfinite"] += len(nonfinite)
+        if nonfinite:
+            log.warning(
+                "%s shard %d: left out samples %s (non-finite hidden states)",
+                store,
+                shard,
+                nonfinite,
+            )
+    bar.close()
+    return counts
+
+
+def run(config: EagleForgeConfig) -> Path:
+    cfg = config.prepare
+    if not cfg.output_dir:
+        raise ConfigError(
+            "prepare.output_dir is not set: give the directory for the feature store."
+        )
+    out = Path(cfg.output_dir)
+    device = resolve_device(config.parallel)
+    cache_dir = config.resolved_cache_dir()
+    model_dir = resolve_model_dir(config.model, cache_dir)
+    tokenizer = load_tokenizer(config.model, model_dir)
+    data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    dtype = config.model.dtype.torch_dtype(device)
+    target = HFTarget.from_pretrained(
+        model_dir, config.target, dtype, device,
+        aux_layer_ids=config.model.aux_layer_ids,
+        trust_remote_code=config.model.trust_remote_code, revision=config.model.revision,
+    )  # fmt: skip
+    fields = expected_manifest(config, Path(model_dir), target.aux_layer_ids, dtype)
+    splits = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
+    per_token = bytes_per_token(int(fields["hidden_size"]), dtype)  # type: ignore[call-overload]
+    needed = sum(d.num_tokens() for _, d in splits) * per_token
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    print(
+        f"feature store {out}: {sum(d.num_tokens() for _, d in splits):,} tokens x "
+        f"{per_token:,} bytes = {needed / 2**30:.2f} GiB ({free / 2**30:.1f} GiB free)",
+        flush=True,
+    )
+    if needed > free:
+        raise ConfigError(
+            f"{out}: the store needs {needed / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB "
+            "are free; free space or choose another prepare.output_dir."
+        )
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    start = time.perf_counter()
+    for split, dataset in splits:
+        manifest = Manifest(
+            **fields,  # type: ignore[arg-type]
+            data_key=f"{data.cache_key}/{split}",
+            samples_per_shard=cfg.samples_per_shard,
+            num_samples=len(dataset),
+            num_shards=-(-len(dataset) // cfg.samples_per_shard),
+        )
+        counts = capture_split(out / split, dataset, manifest, target, cfg.batch_size, rank, world)
+        seconds = time.perf_counter() - start
+        print(
+            f"{split}: wrote {counts['shards']} shards, {counts['samples']} samples, "
+            f"{counts['tokens']:,} tokens ({counts['tokens'] / max(seconds, 1e-9):,.0f} tokens/s); "
+            f"left out {counts['nonfinite']} samples with non-finite values",
+            flush=True,
+        )
+    return out
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@exit_on_user_error
+def _hydra_main(cfg: DictConfig) -> None:
+    run(to_typed(cfg))
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
