@@ -1,0 +1,107 @@
+"""Offline mode: capture, resume of a capture, training from the store equal to online
+training, and the store's fault cases (truncated or corrupted shard, another setup)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagleforge.config import compose_config, to_typed
+from eagleforge.data.features import FeatureDataset
+from eagleforge.errors import DataError
+from eagleforge.prepare import run as prepare
+from eagleforge.train import run as train
+
+pytestmark = pytest.mark.integration
+
+DATA = ["data=chitchat", "data.max_num_samples=60", "data.num_eval_samples=6",
+        "data.max_length=96"]  # fmt: skip
+
+
+def _prepare(tmp_path: Path, store: Path, *extra: str) -> Path:
+    overrides = ["+model=tiny", *DATA, f"prepare.output_dir={store}",
+                 "prepare.samples_per_shard=10", f"output_dir={tmp_path / 'prep'}", *extra]  # fmt: skip
+    return prepare(to_typed(compose_config(overrides)))
+
+
+def _train(tmp_path: Path, name: str, *extra: str):  # type: ignore[no-untyped-def]
+    overrides = ["+model=tiny", *DATA, "trainer.max_num_steps=3", "trainer.progress_bar=false",
+                 "tracker=console", "data.max_tokens_per_batch=256",
+                 f"output_root={tmp_path}", f"output_dir={tmp_path / name}", *extra]  # fmt: skip
+    return train(compose_config(overrides))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("offline")
+    return _prepare(tmp, tmp / "features")
+
+
+def test_capture_writes_shards_manifest_and_all_samples(store: Path) -> None:
+    manifest = json.loads((store / "train" / "manifest.json").read_text())
+    assert manifest["target"] == "tiny" and manifest["max_length"] == 96
+    assert manifest["aux_layer_ids"] == [1, 2, 2] and manifest["dtype"] == "float32"
+    train_set = FeatureDataset(store / "train", verify_checksums=True)
+    assert len(train_set) == manifest["num_samples"] and manifest["num_shards"] == 3
+    ids, mask, aux, final = train_set[4]
+    assert aux.shape == (len(ids), 3 * 64) and final.shape == (len(ids), 64)
+    assert len(mask) == len(ids) and aux.dtype == torch.float32
+    assert len(FeatureDataset(store / "eval")) == 6
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_offline_training_equals_online(tmp_path: Path, store: Path, packing: bool) -> None:
+    """Same data, seed and steps: the same losses and the same trained weights."""
+    flag = f"data.packing={str(packing).lower()}"
+    online = _train(tmp_path, "online", flag)
+    offline = _train(tmp_path, "offline", flag, f"data.features={store}")
+    torch.testing.assert_close(
+        torch.tensor(offline.train_losses), torch.tensor(online.train_losses), rtol=1e-5, atol=1e-6
+    )
+    assert offline.final_eval["eval/loss"] == pytest.approx(
+        online.final_eval["eval/loss"], rel=1e-5
+    )
+    a = load_file(str(online.checkpoint / "model.safetensors"))
+    b = load_file(str(offline.checkpoint / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+
+
+def test_rerun_completes_only_missing_shards(tmp_path: Path) -> None:
+    store = _prepare(tmp_path, tmp_path / "features")
+    train_dir = store / "train"
+    kept = (train_dir / "shard_00000.safetensors").stat().st_mtime_ns
+    (train_dir / "shard_00002.json").unlink()  # as if killed before the shard finished
+    (train_dir / ".tmp-shard_00002.safetensors").write_bytes(b"partial")
+    with pytest.raises(DataError, match="shard_00002.safetensors: missing, truncated"):
+        FeatureDataset(train_dir)
+    _prepare(tmp_path, tmp_path / "features")
+    assert (train_dir / "shard_00000.safetensors").stat().st_mtime_ns == kept
+    assert not list(train_dir.glob(".tmp-*"))
+    assert len(FeatureDataset(train_dir, verify_checksums=True)) == 23
+
+
+def test_truncated_and_corrupted_shards_are_named(tmp_path: Path) -> None:
+    store = _prepare(tmp_path, tmp_path / "features")
+    shard = store / "train" / "shard_00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"shard_00001.safetensors: missing, truncated"):
+        FeatureDataset(store / "train")
+    flipped = bytearray(data)
+    flipped[len(data) - 100] ^= 0xFF
+    shard.write_bytes(bytes(flipped))
+    FeatureDataset(store / "train")  # same size: only the checksum can tell
+    with pytest.raises(DataError, match="shard_00001.safetensors: checksum mismatch"):
+        FeatureDataset(store / "train", verify_checksums=True)
+
+
+def test_store_of_another_setup_is_refused(tmp_path: Path, store: Path) -> None:
+    with pytest.raises(DataError, match=r"max_length: store has 96, the run needs 64"):
+        _train(tmp_path, "other", f"data.features={store}", "data.max_length=64")
+    with pytest.raises(DataError, match="max_length"):  # capturing into it with other settings
+        _prepare(tmp_path, store, "data.max_length=64")
