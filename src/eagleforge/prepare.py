@@ -24,7 +24,13 @@ from tqdm import tqdm
 
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import Collator, TokenizedDataset, build_datasets
-from eagleforge.data.features import Manifest, shard_complete, weight_hash, write_shard
+from eagleforge.data.features import (
+    Compression,
+    Manifest,
+    shard_complete,
+    weight_hash,
+    write_shard,
+)
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
 from eagleforge.target.hf import HFTarget
@@ -52,8 +58,10 @@ def expected_manifest(
     }
 
 
-def bytes_per_token(hidden_size: int, dtype: torch.dtype) -> int:
-    """aux (3 H) + final (H) hidden states, int32 id and uint8 mask."""
+def bytes_per_token(hidden_size: int, dtype: torch.dtype, compress: Compression) -> int:
+    """aux (3 H) + final (H) hidden states, int32 id and uint8 mask (+ 4 fp32 scales)."""
+    if compress == Compression.fp8:
+        return 4 * hidden_size + 4 * 4 + 5
     return 4 * hidden_size * dtype.itemsize + 5
 
 
@@ -69,7 +77,7 @@ def capture_split(
     """Capture the missing shards of this rank into ``store``; counts of what was written."""
     store.mkdir(parents=True, exist_ok=True)
     if (store / "manifest.json").is_file():
-        Manifest.read(store).check_matches(manifest, store)
+        Manifest.read(store).check_matches(manifest, store, Manifest.CAPTURE_FIELDS)
     else:
         manifest.write(store)
     per_shard = manifest.samples_per_shard
@@ -100,7 +108,7 @@ def capture_split(
                 ids, mask = batch["input_ids"][row, :n], batch["loss_mask"][row, :n]
                 samples.append((index, ids, mask, aux, final))
             bar.update(sum(lengths[i] for i in chunk))
-        record = write_shard(store, shard, samples, nonfinite)
+        record = write_shard(store, shard, samples, nonfinite, Compression(manifest.compress))
         counts["samples"] += record["samples"]
         counts["tokens"] += record["tokens"]
         counts["nonfinite"] += len(nonfinite)
@@ -135,7 +143,7 @@ def run(config: EagleForgeConfig) -> Path:
     )  # fmt: skip
     fields = expected_manifest(config, Path(model_dir), target.aux_layer_ids, dtype)
     splits = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
-    per_token = bytes_per_token(int(fields["hidden_size"]), dtype)  # type: ignore[call-overload]
+    per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress)  # type: ignore[call-overload]
     needed = sum(d.num_tokens() for _, d in splits) * per_token
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
@@ -158,6 +166,7 @@ def run(config: EagleForgeConfig) -> Path:
             samples_per_shard=cfg.samples_per_shard,
             num_samples=len(dataset),
             num_shards=-(-len(dataset) // cfg.samples_per_shard),
+            compress=cfg.compress.value,
         )
         counts = capture_split(out / split, dataset, manifest, target, cfg.batch_size, rank, world)
         seconds = time.perf_counter() - start

@@ -105,3 +105,50 @@ def test_store_of_another_setup_is_refused(tmp_path: Path, store: Path) -> None:
         _train(tmp_path, "other", f"data.features={store}", "data.max_length=64")
     with pytest.raises(DataError, match="max_length"):  # capturing into it with other settings
         _prepare(tmp_path, store, "data.max_length=64")
+
+
+def test_fp8_store_is_a_quarter_of_fp32_and_trains(tmp_path: Path, store: Path) -> None:
+    compact = _prepare(tmp_path, tmp_path / "fp8", "prepare.compress=fp8")
+    lossless, small = FeatureDataset(store / "train"), FeatureDataset(compact / "train")
+    tokens = lossless.num_tokens()
+
+    def size(path: Path) -> int:
+        return sum(p.stat().st_size for p in path.glob("shard_*.safetensors"))
+
+    per_token = size(compact / "train") / tokens
+    assert per_token < 4 * 64 + 4 * 4 + 5 + 8  # fp8 hidden states + scales + id/mask (+headers)
+    assert size(store / "train") / size(compact / "train") > 3.5
+    for index in (0, 7):
+        _, _, aux, final = lossless[index]
+        _, _, aux8, final8 = small[index]
+        # e4m3 keeps 3 mantissa bits: relative error within 2^-4 of each token's largest value
+        for exact, approx in ((aux, aux8), (final, final8)):
+            bound = exact.abs().amax(-1, keepdim=True) / 16
+            assert bool(((approx - exact).abs() <= bound).all())
+    result = _train(tmp_path, "fp8-run", f"data.features={compact}")
+    assert result.step == 3 and all(torch.isfinite(torch.tensor(result.train_losses)))
+
+
+def test_ranks_capture_disjoint_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun (RANK/WORLD_SIZE) each rank writes every WORLD_SIZE-th shard; together
+    they complete the store."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    store = _prepare(tmp_path, tmp_path / "features")
+    assert sorted(p.name for p in (store / "train").glob("shard_*.json")) == ["shard_00001.json"]
+    monkeypatch.setenv("RANK", "0")
+    _prepare(tmp_path, tmp_path / "features")
+    assert len(FeatureDataset(store / "train", verify_checksums=True)) == 23
+
+
+def test_refuses_to_start_without_disk_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from eagleforge.errors import ConfigError
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10, 9, 1))  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"the store needs .* GiB but only .* are free"):
+        _prepare(tmp_path, tmp_path / "features")
+    assert not (tmp_path / "features" / "train").exists()

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,29 @@ FORMAT = "eagleforge-features"
 VERSION = 1
 
 
+class Compression(str, Enum):
+    none = "none"
+    fp8 = "fp8"
+
+
+# float8 e4m3: 3 mantissa bits, largest finite value 448
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x_TD: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, D] -> fp8 [T, D] and fp32 scales [T, groups]: each token's ``groups`` equal slices
+    (the captured layers) scaled so that their largest magnitude maps to 448."""
+    x = x_TD.float().unflatten(1, (groups, -1))
+    scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+    return (x / scale.unsqueeze(-1)).to(FP8).flatten(1), scale
+
+
+def dequantize_fp8(q_TD: torch.Tensor, scale_TG: torch.Tensor) -> torch.Tensor:
+    groups = scale_TG.shape[1]
+    return (q_TD.float().unflatten(1, (groups, -1)) * scale_TG.unsqueeze(-1)).flatten(1)
+
+
 @dataclass
 class PrepareConfig:
     """The `prepare` config section: ``python -m eagleforge.prepare``."""
@@ -46,6 +70,9 @@ class PrepareConfig:
     samples_per_shard: int = 256
     # Samples per target forward while capturing.
     batch_size: int = 8
+    # none: hidden states as the target computed them (fp32 on CPU, bf16 on CUDA);
+    # fp8: float8 e4m3 with one fp32 scale per token and captured layer (see docs/offline.md).
+    compress: Compression = Compression.none
 
     def __post_init__(self) -> None:
         for name in ("samples_per_shard", "batch_size"):
@@ -65,10 +92,11 @@ class Manifest:
     template: str
     max_length: int
     data_key: str  # the tokenized data's cache key (rows, template, tokenizer, split)
-    dtype: str  # of aux and final
+    dtype: str  # of aux and final as captured
     samples_per_shard: int
     num_samples: int
     num_shards: int
+    compress: str = Compression.none.value  # "fp8": aux/final stored as float8 + scales
     format: str = FORMAT
     version: int = VERSION
 
@@ -87,10 +115,15 @@ class Manifest:
             raise DataError(f"{path}: not an {FORMAT} v{VERSION} manifest.")
         return cls(**data)
 
-    def check_matches(self, expected: Manifest, store: Path) -> None:
+    # What a training run must agree on; a capture continuing a store must agree on all.
+    TRAINING_FIELDS = ("target", "weight_hash", "vocab_size", "hidden_size", "aux_layer_ids",
+                       "template", "max_length")  # fmt: skip
+    CAPTURE_FIELDS = (*TRAINING_FIELDS, "data_key", "num_samples", "samples_per_shard", "compress")
+
+    def check_matches(
+        self, expected: Manifest, store: Path, fields: tuple[str, ...] = TRAINING_FIELDS
+    ) -> None:
         """DataError naming every field where the store differs from what the run expects."""
-        fields = ("target", "weight_hash", "vocab_size", "hidden_size", "aux_layer_ids",
-                  "template", "max_length")  # fmt: skip
         diffs = [
             f"{name}: store has {getattr(self, name)!r}, the run needs {getattr(expected, name)!r}"
             for name in fields
@@ -144,20 +177,25 @@ def write_shard(
     index: int,
     samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
     nonfinite: list[int],
+    compress: Compression = Compression.none,
 ) -> dict[str, Any]:
     """Write one shard atomically: samples are (sample index, ids [T], mask [T], aux [T, A],
     final [T, H]); returns its sidecar record."""
     name = shard_name(index)
     lengths = [len(ids) for _, ids, _, _, _ in samples]
     offsets = torch.tensor([0, *lengths]).cumsum(0)
+    aux, final = torch.cat([s[3] for s in samples]), torch.cat([s[4] for s in samples])
     tensors = {
         "input_ids": torch.cat([s[1] for s in samples]).to(torch.int32),
         "loss_mask": torch.cat([s[2] for s in samples]).to(torch.uint8),
-        "aux": torch.cat([s[3] for s in samples]).contiguous(),
-        "final": torch.cat([s[4] for s in samples]).contiguous(),
         "offsets": offsets,
         "sample_index": torch.tensor([s[0] for s in samples], dtype=torch.int64),
     }
+    if compress == Compression.fp8:
+        tensors["aux"], tensors["aux_scale"] = quantize_fp8(aux, 3)
+        tensors["final"], tensors["final_scale"] = quantize_fp8(final, 1)
+    else:
+        tensors["aux"], tensors["final"] = aux.contiguous(), final.contiguous()
     tmp = store / f".tmp-{name}.safetensors"
     save_file(tensors, str(tmp))
     with tmp.open("rb") as f:
@@ -228,11 +266,15 @@ class FeatureDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
         shard, start, end = self._index[index]
         handle = self._open(shard)
+        aux, final = handle.get_slice("aux")[start:end], handle.get_slice("final")[start:end]
+        if self.manifest.compress == Compression.fp8.value:
+            aux = dequantize_fp8(aux, handle.get_slice("aux_scale")[start:end])
+            final = dequantize_fp8(final, handle.get_slice("final_scale")[start:end])
         return (
             handle.get_slice("input_ids")[start:end].tolist(),
             handle.get_slice("loss_mask")[start:end].tolist(),
-            handle.get_slice("aux")[start:end],
-            handle.get_slice("final")[start:end],
+            aux,
+            final,
         )
 
     def token_samples(self) -> list[tuple[list[int], list[int]]]:
