@@ -1,0 +1,83 @@
+"""Feature store pieces: fp8 quantization bounds, non-finite samples, manifests, weight hash."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eagleforge.data.dataset import TokenizedDataset
+from eagleforge.data.features import (
+    FeatureDataset,
+    Manifest,
+    dequantize_fp8,
+    quantize_fp8,
+    weight_hash,
+)
+from eagleforge.errors import DataError
+from eagleforge.prepare import capture_split
+from eagleforge.target import TargetOutput
+
+pytestmark = pytest.mark.unit
+
+
+def test_fp8_keeps_each_tokens_layers_within_a_sixteenth_of_their_maximum() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3 * 32, generator=generator)
+    x[0] *= 300.0  # an outlier token
+    x[:, 32:64] *= 0.01  # a quiet layer
+    q, scale = quantize_fp8(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (50, 3)
+    back = dequantize_fp8(q, scale)
+    groups = x.unflatten(1, (3, -1))
+    bound = (groups.abs().amax(-1, keepdim=True) / 16).expand_as(groups).flatten(1)
+    assert bool(((back - x).abs() <= bound).all())
+    # the quiet layer keeps its own precision, not the loud layers' (nor the outlier token's)
+    assert float((back[1:, 32:64] - x[1:, 32:64]).abs().max()) < 0.01 * 5 / 16
+
+
+class NaNTarget:
+    """Hidden states of ones, but NaN for sequences starting with token 7."""
+
+    model = SimpleNamespace(device=torch.device("cpu"))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> TargetOutput:
+        aux = torch.ones(*ids.shape, 6)
+        aux[ids[:, 0] == 7] = float("nan")
+        return TargetOutput(aux_BTA=aux, final_hidden_BTH=torch.ones(*ids.shape, 2))
+
+
+def _manifest(num_samples: int) -> Manifest:
+    return Manifest(
+        target="t", weight_hash="h", vocab_size=10, hidden_size=2, aux_layer_ids=[0, 1, 1],
+        template="auto", max_length=8, data_key="k", dtype="float32", samples_per_shard=2,
+        num_samples=num_samples, num_shards=-(-num_samples // 2),
+    )  # fmt: skip
+
+
+def test_non_finite_samples_are_left_out_and_recorded(tmp_path: Path) -> None:
+    data = TokenizedDataset([[1, 2, 3], [7, 2], [4, 5, 6, 1]], [[0, 1, 1], [1, 1], [0, 0, 1, 1]])
+    counts = capture_split(tmp_path, data, _manifest(3), NaNTarget(), batch_size=2)  # type: ignore[arg-type]
+    assert counts == {"shards": 2, "samples": 2, "tokens": 7, "nonfinite": 1}
+    assert json.loads((tmp_path / "shard_00000.json").read_text())["nonfinite_samples"] == [1]
+    store = FeatureDataset(tmp_path, verify_checksums=True)
+    assert [store[i][0] for i in range(len(store))] == [[1, 2, 3], [4, 5, 6, 1]]
+    assert store[1][1] == [0, 0, 1, 1] and store[1][2].shape == (4, 6)
+
+
+def test_a_directory_without_manifest_is_named(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="no manifest.json; not a feature store"):
+        FeatureDataset(tmp_path)
+
+
+def test_weight_hash_follows_the_weights(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
+    before = weight_hash(tmp_path)
+    assert weight_hash(tmp_path) == before
+    save_file({"w": torch.ones(64, 64)}, str(tmp_path / "model.safetensors"))
+    assert weight_hash(tmp_path) != before
