@@ -152,3 +152,31 @@ def test_refuses_to_start_without_disk_room(
     with pytest.raises(ConfigError, match=r"the store needs .* GiB but only .* are free"):
         _prepare(tmp_path, tmp_path / "features")
     assert not (tmp_path / "features" / "train").exists()
+
+
+def test_offline_equals_online_on_smollm2(tmp_path: Path) -> None:
+    """The real bundled target (tied embeddings: the lm_head is read as the embedding)."""
+    data = ["+model=smollm2", "data=chitchat", "data.max_num_samples=30",
+            "data.num_eval_samples=4", "data.max_length=80"]  # fmt: skip
+    store = prepare(
+        to_typed(
+            compose_config(
+                [
+                    *data,
+                    f"prepare.output_dir={tmp_path / 'features'}",
+                    f"output_dir={tmp_path / 'prep'}",
+                ]
+            )
+        )  # fmt: skip
+    )
+    runs = []
+    for name, extra in (("online", []), ("offline", [f"data.features={store}"])):
+        overrides = [*data, "trainer.max_num_steps=2", "trainer.progress_bar=false",
+                     "tracker=console", "data.max_tokens_per_batch=320", f"output_root={tmp_path}",
+                     f"output_dir={tmp_path / name}", *extra]  # fmt: skip
+        runs.append(train(compose_config(overrides)))
+    online, offline = runs
+    torch.testing.assert_close(
+        torch.tensor(offline.train_losses), torch.tensor(online.train_losses), rtol=1e-4, atol=1e-5
+    )
+    assert offline.final_eval["eval/acc_0"] == pytest.approx(online.final_eval["eval/acc_0"])
