@@ -158,8 +158,8 @@ def run(config: EagleForgeConfig) -> Path:
             "are free; free space or choose another prepare.output_dir."
         )
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    start = time.perf_counter()
     for split, dataset in splits:
+        start = time.perf_counter()
         manifest = Manifest(
             **fields,  # type: ignore[arg-type]
             data_key=f"{data.cache_key}/{split}",
