@@ -67,7 +67,12 @@ def save_checkpoint(
     for file in tmp.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    if final.exists():  # replacing (checkpoints/best): the old one stays whole until swapped
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
     return final
