@@ -141,7 +141,6 @@ class TargetRunner:
             past = self.length
             prefix = torch.ones(len(tokens_M), past, dtype=torch.bool, device=self.device)
             mask = torch.cat([prefix, tree_mask_MM], dim=1)[None, None]
-        self.target._captured.clear()
         out = self.target.model(
             input_ids=tokens_M[None],
             position_ids=positions_M[None],
@@ -149,8 +148,7 @@ class TargetRunner:
             use_cache=True,
             **{self.cache_argument: self.cache},
         )
-        aux = torch.cat([self.target._captured[i] for i in self.target.aux_layer_ids], dim=-1)
-        self.target._captured.clear()
+        aux = self.target.take_aux()
         self.forwards += 1
         return out.logits[0].float(), aux[0]
 

@@ -101,9 +101,14 @@ class HFTarget:
             position_ids=position_ids_BT,
             use_cache=False,
         )
+        return TargetOutput(aux_BTA=self.take_aux(), final_hidden_BTH=out.last_hidden_state)
+
+    def take_aux(self) -> torch.Tensor:
+        """The aux states [B, T, 3H] the hooks captured in the last forward of the model (also
+        when it was called directly, e.g. with a KV cache), concatenated; clears them."""
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
         self._captured.clear()
-        return TargetOutput(aux_BTA=aux, final_hidden_BTH=out.last_hidden_state)
+        return aux
 
     def input_embedding(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
