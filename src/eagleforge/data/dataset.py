@@ -92,8 +92,8 @@ class DataConfig:
     # (the target's layers are not loaded). null = online.
     features: str | None = None
     # With features: check every shard's sha256 before training (reads the whole store);
-    # sizes and headers are always checked.
-    verify_features: bool = False
+    # null = only for stores up to 4 GiB. Sizes and headers are always checked.
+    verify_features: bool | None = None
     # Pack whole conversations into rows instead of padding (a micro-batch is then one row of
     # max_tokens_per_batch tokens and trainer.batch_size is unused); null = when the target
     # backend supports it.

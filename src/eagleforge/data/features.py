@@ -214,14 +214,22 @@ def write_shard(
     return record
 
 
+# Stores up to this size have every shard's sha256 checked when opened (by default).
+AUTO_VERIFY_BYTES = 4 * 2**30
+
+
 class FeatureDataset(torch.utils.data.Dataset):
     """Samples of a store: (input_ids, loss_mask, aux [T, A], final [T, H]), read on demand
     from memory-mapped shards. Opening checks every shard's presence and size (and, with
-    ``verify_checksums``, its sha256) and names the first bad one."""
+    ``verify_checksums``, its sha256; None: when the store is at most
+    ``AUTO_VERIFY_BYTES``, a few seconds of reading) and names the first bad one."""
 
-    def __init__(self, store: str | Path, verify_checksums: bool = False) -> None:
+    def __init__(self, store: str | Path, verify_checksums: bool | None = None) -> None:
         self.store = Path(store)
         self.manifest = Manifest.read(self.store)
+        if verify_checksums is None:
+            total = sum(p.stat().st_size for p in self.store.glob("shard_*.safetensors"))
+            verify_checksums = total <= AUTO_VERIFY_BYTES
         self._handles: dict[int, Any] = {}
         self._index: list[tuple[int, int, int]] = []  # (shard, start, end)
         for shard in range(self.manifest.num_shards):
