@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from eagleforge.draft.model import Eagle3Draft
-from eagleforge.formats import export_sglang
+from eagleforge.errors import CheckpointError
+from eagleforge.formats import export_sglang, load_sglang
 
 TRAINING_STATE = "training_state.pt"
 
@@ -76,3 +77,60 @@ def save_checkpoint(
     else:
         os.rename(tmp, final)
     return final
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["name"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def newest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete ``checkpoints/step_*`` of a run (temporary ``.tmp-*`` directories
+    of an interrupted save are not complete, and are ignored)."""
+    found = sorted((Path(output_dir) / "checkpoints").glob("step_*/" + TRAINING_STATE))
+    return found[-1].parent if found else None
+
+
+def load_checkpoint(
+    checkpoint_dir: str | Path,
+    draft: Eagle3Draft,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, int]:
+    """Restore draft weights, optimizer, scheduler and RNG states; returns the progress
+    (step, epoch, batches_into_epoch). Raises CheckpointError naming a bad checkpoint."""
+    path = Path(checkpoint_dir)
+    try:
+        state = torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu")
+        _, tensors = load_sglang(path)
+    except Exception as e:  # torch and safetensors raise many types on bad files
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
+            "the one before, or set trainer.resume=never."
+        ) from None
+    device = next(draft.parameters()).device
+    missing, unexpected = draft.load_state_dict(
+        {k: v.to(device) for k, v in tensors.items()}, strict=False
+    )
+    missing = [k for k in missing if not k.startswith("embed_tokens")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: does not fit this draft (missing {missing}, unexpected {unexpected}); "
+            "resume with the config it was trained with."
+        )
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return {k: int(v) for k, v in state["progress"].items()}

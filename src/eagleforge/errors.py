@@ -26,6 +26,10 @@ class DataError(EagleForgeError, ValueError):
     """An input data file is unreadable or malformed; the message names the file and line."""
 
 
+class CheckpointError(EagleForgeError, ValueError):
+    """A checkpoint is unreadable or does not fit the run; the message names its directory."""
+
+
 def exit_on_user_error(main: Callable[P, R]) -> Callable[P, R]:
     """Entry-point decorator: a user error prints one line and exits with status 2."""
 

@@ -23,12 +23,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from eagleforge.checkpoint import TRAINING_STATE, newest_checkpoint
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets, make_loader
 from eagleforge.data.features import FeatureDataset, Manifest
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.errors import exit_on_user_error
+from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
 from eagleforge.prepare import expected_manifest
@@ -112,6 +113,21 @@ def _lazy(
 ) -> Iterator[tuple[list[int], list[int]]]:
     """Read only when iterated: the vocab map is usually cached."""
     yield from read()
+
+
+def resume_from(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint that trainer.resume asks for (auto: the run's newest, if any)."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return newest_checkpoint(output_dir)
+    path = Path(resume)
+    if not (path / TRAINING_STATE).is_file():
+        raise ConfigError(
+            f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
+            "checkpoints/step_* directory, auto or never."
+        )
+    return path
 
 
 def run(cfg: DictConfig) -> TrainResult:
@@ -213,6 +229,9 @@ def run(cfg: DictConfig) -> TrainResult:
         if trainer_cfg.eval_tau_every_n_steps
         else None,
     )
+    checkpoint = resume_from(trainer_cfg.resume, output_dir)
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
     result = trainer.train()
     summary = {
         "step": result.step,

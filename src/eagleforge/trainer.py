@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eagleforge.checkpoint import save_checkpoint
+from eagleforge.checkpoint import load_checkpoint, save_checkpoint
 from eagleforge.draft.model import AttentionBackend, DraftConfig, Eagle3Draft
 from eagleforge.draft.ttt import (
     TTTBatch,
@@ -61,6 +61,10 @@ class TrainerConfig:
     eval_tau_prompts: int = 4
     # Show a tqdm progress bar.
     progress_bar: bool = True
+    # auto: continue from the newest complete checkpoint in output_dir/checkpoints, if any
+    # (weights, optimizer, scheduler, RNG and data position: the run goes on exactly as if
+    # never stopped); never: always start fresh; or the path of a checkpoint to continue from.
+    resume: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum_steps", "num_epochs", "log_every_n_steps"):
@@ -167,12 +171,27 @@ class Trainer:
         )
 
     def micro_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Micro-batches forever, epoch after epoch, each epoch in its own seeded order."""
+        """Micro-batches forever, epoch after epoch, each epoch in its own seeded order; a
+        resumed run first skips the batches its epoch had already used."""
         while True:
-            for batch in self.train_loader(self.epoch):
+            loader = self.train_loader(self.epoch)
+            skip = self.batches_into_epoch
+            sampler = loader.batch_sampler
+            if skip and isinstance(sampler, list):
+                loader = torch.utils.data.DataLoader(
+                    loader.dataset, batch_sampler=sampler[skip:], collate_fn=loader.collate_fn
+                )
+            for batch in loader:
                 self.batches_into_epoch += 1
                 yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             self.epoch, self.batches_into_epoch = self.epoch + 1, 0
+
+    def resume(self, checkpoint: Path) -> None:
+        """Continue from a checkpoint: weights, optimizer, scheduler, RNG, step and data position."""
+        progress = load_checkpoint(checkpoint, self.draft, self.optimizer, self.scheduler)
+        self.step, self.epoch = progress["step"], progress["epoch"]
+        self.batches_into_epoch = progress["batches_into_epoch"]
+        log.info("resumed from %s at step %d (epoch %d)", checkpoint, self.step, self.epoch)
 
     def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
         batches = [self.make_batch(b) for b in raw]
@@ -258,14 +277,15 @@ class Trainer:
         self.tracker.log_metrics(metrics, step=self.step)
 
     def train(self) -> TrainResult:
-        cfg, result = self.cfg, TrainResult(step=0)
+        cfg, result = self.cfg, TrainResult(step=self.step)
         self.draft.train()
-        if self.eval_loader is not None and cfg.eval_at_start:
+        if self.eval_loader is not None and cfg.eval_at_start and self.step == 0:
             result.initial_eval = self._eval_and_log(result)
         batches = self.micro_batches()
         window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
         bar = tqdm(
             total=self.max_num_steps,
+            initial=self.step,
             desc="train",
             unit="step",
             disable=not cfg.progress_bar,

@@ -1,0 +1,68 @@
+"""Exact resume: a run continued from its checkpoint goes on exactly as if never stopped."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagleforge.checkpoint import TRAINING_STATE
+from eagleforge.config import compose_config
+from eagleforge.errors import CheckpointError
+from eagleforge.train import run
+
+pytestmark = pytest.mark.integration
+
+
+def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "+model=tiny", "data=chitchat", "data.max_num_samples=80", "data.num_eval_samples=6",
+        "data.max_length=96", "data.max_tokens_per_batch=192", "trainer.max_num_steps=6",
+        "trainer.grad_accum_steps=2", "trainer.save_every_n_steps=2",
+        "trainer.progress_bar=false", "optimizer.lr=1e-3", "draft.ttt_length=3",
+        "tracker=console", f"output_root={tmp_path}", f"output_dir={tmp_path / name}", *extra,
+    ]  # fmt: skip
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_resumed_run_is_bit_identical(tmp_path: Path, packing: str) -> None:
+    full = run(compose_config(overrides(tmp_path, "full", f"data.packing={packing}")))
+    # the same run, stopped after its step-2 checkpoint (a torn step-4 save left behind)
+    resumed_dir = tmp_path / "resumed" / "checkpoints"
+    resumed_dir.mkdir(parents=True)
+    shutil.copytree(
+        tmp_path / "full" / "checkpoints" / "step_00000002", resumed_dir / "step_00000002"
+    )
+    (resumed_dir / ".tmp-step_00000004").mkdir()
+    (resumed_dir / ".tmp-step_00000004" / "model.safetensors").write_bytes(b"torn")
+    resumed = run(compose_config(overrides(tmp_path, "resumed", f"data.packing={packing}")))
+    assert resumed.step == full.step == 6
+    assert resumed.train_losses == full.train_losses[2:]  # steps 3..6, bit for bit
+    final_full, final_resumed = weights(full.checkpoint), weights(resumed.checkpoint)
+    assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
+    assert not list(resumed_dir.glob(".tmp-*"))
+    assert resumed.final_eval == full.final_eval
+
+
+def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
+    first = run(compose_config(overrides(tmp_path, "run", "trainer.max_num_steps=2")))
+    fresh = run(
+        compose_config(
+            overrides(tmp_path, "run", "trainer.max_num_steps=2", "trainer.resume=never")
+        )
+    )
+    assert fresh.train_losses == first.train_losses  # started over, same seed
+    (first.checkpoint / TRAINING_STATE).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"step_00000002: unreadable checkpoint"):
+        run(compose_config(overrides(tmp_path, "run", "trainer.max_num_steps=4")))
+    from eagleforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.resume=.*not a training checkpoint"):
+        run(compose_config(overrides(tmp_path, "x", f"trainer.resume={tmp_path}")))
