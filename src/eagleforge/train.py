@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import random
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -275,10 +276,18 @@ def print_summary(result: TrainResult, tracker: object) -> None:
     print("\n".join(lines), flush=True)
 
 
+# Exit status of a run stopped by SIGTERM/SIGUSR1 after saving: 128 + the signal, as if the
+# signal had killed it, so that SLURM and submitit treat it as preempted and requeue it.
+def _exit_status(result: TrainResult) -> int:
+    return 128 + result.preempted_by if result.preempted_by is not None else 0
+
+
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
-    run(cfg)
+    status = _exit_status(run(cfg))
+    if status:
+        sys.exit(status)
 
 
 def main() -> None:

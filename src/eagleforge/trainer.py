@@ -9,10 +9,13 @@ the step is split. Eval, checkpoints and metrics happen on the step boundaries c
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -132,7 +135,34 @@ class TrainResult:
     train_losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
     tau_by_step: dict[int, float] = field(default_factory=dict)  # real τ measurements
+    preempted_by: int | None = None  # the signal that stopped the run early
     best_checkpoint: Path | None = None  # the checkpoint with the best real τ
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time
+    limit) are recorded instead of killing the process, so the loop can finish its step and
+    save. Only in the main thread; other handlers are restored on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum: int, _frame: Any) -> None:
+        self.signal = signum
+
+    def __exit__(self, *_: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
 
 
 class Trainer:
@@ -166,6 +196,7 @@ class Trainer:
         self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml
         self.step, self.epoch, self.batches_into_epoch = 0, 0, 0
         self.tau_probe = tau_probe if cfg.eval_tau_every_n_steps else None
+        self.stop = StopSignals()
         self.autocast = torch.autocast(
             device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"
         )
@@ -276,7 +307,24 @@ class Trainer:
             metrics["eval/best_tau_step"] = float(self.step)
         self.tracker.log_metrics(metrics, step=self.step)
 
+    def _preempted(self, result: TrainResult) -> TrainResult:
+        """After SIGTERM/SIGUSR1: the step is finished; save it and report the signal."""
+        if not (self.cfg.save_every_n_steps and self.step % self.cfg.save_every_n_steps == 0):
+            result.checkpoint = self.save()
+        result.step, result.preempted_by = self.step, self.stop.signal
+        log.warning(
+            "stopped by signal %s after step %d; checkpoint %s (the same command resumes)",
+            self.stop.signal,
+            self.step,
+            result.checkpoint,
+        )
+        return result
+
     def train(self) -> TrainResult:
+        with self.stop:
+            return self._train()
+
+    def _train(self) -> TrainResult:
         cfg, result = self.cfg, TrainResult(step=self.step)
         self.draft.train()
         if self.eval_loader is not None and cfg.eval_at_start and self.step == 0:
@@ -328,6 +376,9 @@ class Trainer:
                 self.step % cfg.eval_tau_every_n_steps == 0 or self.step == self.max_num_steps
             ):
                 self._measure_tau(result)
+            if self.stop.signal is not None:
+                bar.close()
+                return self._preempted(result)
         bar.close()
         if self.eval_loader is not None and not (
             cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,31 @@ def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"trainer.resume=.*not a training checkpoint"):
         run(compose_config(overrides(tmp_path, "x", f"trainer.resume={tmp_path}")))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_finishes_the_step_saves_and_exits_for_requeue(
+    tmp_path: Path, signum: int
+) -> None:
+    args = overrides(tmp_path, "pre", "trainer.max_num_steps=500", "trainer.save_every_n_steps=0",
+                     "trainer.log_every_n_steps=1")  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagleforge.train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait until a few steps have run
+        if "step 3 train/loss" in line:
+            break
+    proc.send_signal(signum)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signum, output
+    (checkpoint,) = (tmp_path / "pre" / "checkpoints").glob("step_*")
+    stopped_at = int(checkpoint.name.removeprefix("step_"))
+    assert 3 <= stopped_at < 500
+    resumed = run(
+        compose_config(overrides(tmp_path, "pre", f"trainer.max_num_steps={stopped_at + 2}"))
+    )
+    assert resumed.step == stopped_at + 2 and len(resumed.train_losses) == 2
