@@ -86,6 +86,13 @@ class MLflowTracker:
         import mlflow
 
         self.mlflow = mlflow
+        self._pending: list[tuple[dict[str, float], int]] = []
+        self._pending_artifacts: list[Path] = []
+        self._warned = False
+        if tracking_uri.startswith("http"):
+            # fail fast instead of mlflow's default of minutes of retries per call
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         active = mlflow.active_run()
         # Inside a run someone else started (a notebook, a sweep driver): log into it.
         self.owns_run = active is None
@@ -122,19 +129,61 @@ class MLflowTracker:
             self.mlflow.log_params(dict(items[start : start + 100]))
         self.mlflow.log_text(config_yaml, "config.yaml")
 
+    # Once the run exists, an unreachable tracking server must not stop training: what cannot
+    # be sent is kept and sent with the next call that gets through (or at close).
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        self._pending.append(({k: float(v) for k, v in metrics.items()}, step))
+        self._flush()
 
     def log_artifact(self, path: str | Path) -> None:
-        path = Path(path)
-        if path.is_dir():
-            self.mlflow.log_artifacts(str(path), artifact_path=path.name)
-        else:
-            self.mlflow.log_artifact(str(path))
+        self._pending_artifacts.append(Path(path))
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            while self._pending:
+                metrics, step = self._pending[0]
+                self.mlflow.log_metrics(metrics, step=step)
+                self._pending.pop(0)
+            while self._pending_artifacts:
+                path = self._pending_artifacts[0]
+                if path.is_dir():
+                    self.mlflow.log_artifacts(str(path), artifact_path=path.name)
+                else:
+                    self.mlflow.log_artifact(str(path))
+                self._pending_artifacts.pop(0)
+        except Exception as e:  # mlflow raises many types when its server is down
+            if not self._warned:
+                log.warning(
+                    "MLflow at %s is unreachable (%s: %s); training goes on, and the %d "
+                    "pending metric batches are sent when it is back.",
+                    self.tracking_uri,
+                    type(e).__name__,
+                    e,
+                    len(self._pending),
+                )
+                self._warned = True
+            return
+        if self._warned:
+            log.warning("MLflow at %s is reachable again; pending metrics sent.", self.tracking_uri)
+            self._warned = False
 
     def close(self) -> None:
+        self._flush()
+        if self._pending or self._pending_artifacts:
+            log.warning(
+                "MLflow at %s is still unreachable: %d metric batches and %d artifacts were not "
+                "logged (the run directory holds summary.json and the checkpoints).",
+                self.tracking_uri,
+                len(self._pending),
+                len(self._pending_artifacts),
+            )
         if self.owns_run:
-            self.mlflow.end_run()
+            try:
+                self.mlflow.end_run()
+            except Exception as e:  # the server may still be down
+                log.warning("could not end the MLflow run (%s)", e)
 
 
 class NullTracker(ConsoleTracker):

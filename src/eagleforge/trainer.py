@@ -9,6 +9,7 @@ the step is split. Eval, checkpoints and metrics happen on the step boundaries c
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -56,6 +57,8 @@ class TrainerConfig:
     eval_at_start: bool = True
     # Save a checkpoint every N optimizer steps (0 = only at the end).
     save_every_n_steps: int = 0
+    # Keep only the newest N step checkpoints (checkpoints/best is always kept); null = all.
+    keep_last_n: int | None = None
     # Measure the real acceptance length τ by speculative decoding (eval.* decoding settings,
     # eval.prompts) every N optimizer steps and at the end; the checkpoint with the best τ is
     # kept in checkpoints/best. 0 = off.
@@ -77,6 +80,8 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.max_num_steps must be >= 1 or null, got {self.max_num_steps}."
             )
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise ConfigError(f"trainer.keep_last_n must be >= 1 or null, got {self.keep_last_n}.")
         if self.eval_tau_prompts < 1:
             raise ConfigError(
                 f"trainer.eval_tau_prompts must be >= 1, got {self.eval_tau_prompts}."
@@ -285,9 +290,14 @@ class Trainer:
             "batches_into_epoch": self.batches_into_epoch,
         }
         path = self.output_dir / "checkpoints" / (name or f"step_{self.step:08d}")
-        return save_checkpoint(
+        saved = save_checkpoint(
             path, self.draft, self.optimizer, self.scheduler, progress, self.config_yaml
         )
+        if name is None and self.cfg.keep_last_n is not None:
+            steps = sorted(path.parent.glob("step_*"))
+            for old in steps[: -self.cfg.keep_last_n]:
+                shutil.rmtree(old)
+        return saved
 
     def _eval_and_log(self, result: TrainResult) -> dict[str, float]:
         metrics = self.evaluate()

@@ -97,3 +97,9 @@ def test_preemption_signal_finishes_the_step_saves_and_exits_for_requeue(
         compose_config(overrides(tmp_path, "pre", f"trainer.max_num_steps={stopped_at + 2}"))
     )
     assert resumed.step == stopped_at + 2 and len(resumed.train_losses) == 2
+
+
+def test_keep_last_n_rotates_step_checkpoints(tmp_path: Path) -> None:
+    result = run(compose_config(overrides(tmp_path, "keep", "trainer.keep_last_n=2")))
+    kept = sorted(p.name for p in (tmp_path / "keep" / "checkpoints").iterdir())
+    assert kept == ["step_00000004", "step_00000006"] and result.checkpoint is not None
