@@ -103,6 +103,25 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1].parent if found else None
 
 
+def load_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Every trained tensor of the draft (all but the frozen embedding), shapes checked."""
+    device = next(draft.parameters()).device
+    own = draft.state_dict()
+    wrong = [
+        f"{k} {tuple(v.shape)} (draft: {tuple(own[k].shape)})"
+        for k, v in tensors.items()
+        if k in own and own[k].shape != v.shape
+    ]
+    missing = [k for k in own if k not in tensors and not k.startswith("embed_tokens")]
+    unexpected = [k for k in tensors if k not in own]
+    if wrong or missing or unexpected:
+        raise CheckpointError(
+            f"{path}: does not fit this draft (shapes {wrong}, missing {missing}, unexpected "
+            f"{unexpected}); use the model and draft config it was trained with."
+        )
+    draft.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False)
+
+
 def load_checkpoint(
     checkpoint_dir: str | Path,
     draft: Eagle3Draft,
@@ -120,16 +139,7 @@ def load_checkpoint(
             f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
             "the one before, or set trainer.resume=never."
         ) from None
-    device = next(draft.parameters()).device
-    missing, unexpected = draft.load_state_dict(
-        {k: v.to(device) for k, v in tensors.items()}, strict=False
-    )
-    missing = [k for k in missing if not k.startswith("embed_tokens")]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: does not fit this draft (missing {missing}, unexpected {unexpected}); "
-            "resume with the config it was trained with."
-        )
+    load_draft_weights(draft, tensors, path)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eagleforge.checkpoint import TRAINING_STATE, newest_checkpoint
+from eagleforge.checkpoint import TRAINING_STATE, load_draft_weights, newest_checkpoint
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets, make_loader
 from eagleforge.data.features import FeatureDataset, Manifest
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.formats import load_sglang
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel import resolve_device
 from eagleforge.prepare import expected_manifest
@@ -116,6 +117,19 @@ def _lazy(
     yield from read()
 
 
+def init_from(draft: Eagle3Draft, path: Path) -> None:
+    """Fine-tune: the draft's weights and vocab map from a checkpoint or an exported draft."""
+    try:
+        _, tensors = load_sglang(path)
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError(
+            f"model.draft_init={path}: not a draft directory ({type(e).__name__}: {e}); give a "
+            "checkpoints/step_* or exported SGLang directory."
+        ) from None
+    load_draft_weights(draft, tensors, path)
+    log.info("draft initialised from %s", path)
+
+
 def resume_from(resume: str, output_dir: Path) -> Path | None:
     """The checkpoint that trainer.resume asks for (auto: the run's newest, if any)."""
     if resume == "never":
@@ -165,8 +179,12 @@ def run(cfg: DictConfig) -> TrainResult:
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
     draft.load_embedding(target.input_embedding().detach().cpu())
     draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
+    if config.model.draft_init:
+        init_from(draft, Path(config.model.draft_init))
     draft.to(device)
-    draft_ids_W, t2d_V = vocab.draft_ids_W.to(device), vocab.t2d_V.to(device)
+    # the draft's own map: with model.draft_init it is the initial draft's, not this data's
+    draft_ids_W = torch.arange(len(draft.d2t), device=device) + draft.d2t
+    t2d_V = draft.t2d
 
     trainer_cfg = config.trainer
     pad_id = (

@@ -103,3 +103,22 @@ def test_keep_last_n_rotates_step_checkpoints(tmp_path: Path) -> None:
     result = run(compose_config(overrides(tmp_path, "keep", "trainer.keep_last_n=2")))
     kept = sorted(p.name for p in (tmp_path / "keep" / "checkpoints").iterdir())
     assert kept == ["step_00000004", "step_00000006"] and result.checkpoint is not None
+
+
+def test_draft_init_starts_from_a_checkpoint_with_a_fresh_optimizer(tmp_path: Path) -> None:
+    first = run(compose_config(overrides(tmp_path, "first", "trainer.max_num_steps=2")))
+    assert first.checkpoint is not None
+    tuned = run(
+        compose_config(
+            overrides(
+                tmp_path, "tuned", "trainer.max_num_steps=2", f"model.draft_init={first.checkpoint}"
+            )
+        )
+    )
+    # the untrained baseline of the fine-tuning run is the first run's trained draft
+    assert tuned.initial_eval == first.final_eval
+    assert tuned.step == 2 and len(tuned.train_losses) == 2  # steps counted from 0 again
+    from eagleforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.draft_init=.*not a draft directory"):
+        run(compose_config(overrides(tmp_path, "bad", f"model.draft_init={tmp_path}")))

@@ -90,6 +90,9 @@ class ModelConfig:
     aux_layer_ids: list[int] | None = None
     # Architecture of source=random.
     random: RandomModelConfig = field(default_factory=RandomModelConfig)
+    # Start the draft from these weights (a training checkpoint or an exported SGLang draft
+    # directory) instead of a random init; the optimizer starts fresh. null = random init.
+    draft_init: str | None = None
 
     def __post_init__(self) -> None:
         if self.source == ModelSource.pretrained and not self.path:
