@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
-from eagleforge.formats import load_sglang
+from eagleforge.formats import check_sglang_draft, load_sglang
 from eagleforge.parallel import resolve_device
 from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import load_prompts, render_prompt
@@ -69,6 +69,9 @@ def _step(path: Path) -> int:
 def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draft:
     """A draft from an SGLang-format directory, with the target's embedding; ConfigError
     when it was trained for another target."""
+    problems = check_sglang_draft(path, int(target.config.get_text_config().num_hidden_layers))
+    if problems:
+        raise ConfigError(f"{path}: not a usable EAGLE-3 draft: " + "; ".join(problems) + ".")
     arch, tensors = load_sglang(path)
     vocab = int(target.config.get_text_config().vocab_size)
     hidden = int(target.config.get_text_config().hidden_size)

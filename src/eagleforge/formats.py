@@ -89,3 +89,78 @@ def load_sglang(path: str | Path) -> tuple[DraftArchitecture, dict[str, torch.Te
         target_model_type=config.get("eagleforge", {}).get("target_model_type", "llama"),
     )
     return arch, load_file(str(path / "model.safetensors"))
+
+
+def check_sglang_draft(path: str | Path, target_num_layers: int | None = None) -> list[str]:
+    """Every problem that would make an SGLang EAGLE-3 draft directory (from any tool) load
+    wrongly or accept poorly; an empty list when there is none."""
+    path = Path(path)
+    problems: list[str] = []
+    config_path, weights_path = path / "config.json", path / "model.safetensors"
+    if not config_path.is_file():
+        return [f"{path}: no config.json"]
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{config_path}: not valid JSON ({e.msg})"]
+    if config.get("architectures") != [SGLANG_ARCHITECTURE]:
+        problems.append(
+            f"architectures is {config.get('architectures')!r}, SGLang needs "
+            f"['{SGLANG_ARCHITECTURE}'] (a plain LlamaForCausalLM is loaded as a normal model)"
+        )
+    for key in ("hidden_size", "vocab_size", "draft_vocab_size", "num_attention_heads"):
+        if not isinstance(config.get(key), int):
+            problems.append(f"config.json has no integer '{key}'")
+    if config.get("tie_word_embeddings"):
+        problems.append(
+            "tie_word_embeddings is true: the draft's lm_head (over the draft vocabulary) must "
+            "not be tied to the target's embedding"
+        )
+    layer_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(layer_ids, list) and len(layer_ids) == 3):
+        problems.append(
+            "eagle_config.eagle_aux_hidden_state_layer_ids must list the 3 target layers the "
+            f"draft reads, got {layer_ids!r}"
+        )
+    elif target_num_layers is not None and not all(0 <= i < target_num_layers for i in layer_ids):
+        problems.append(
+            f"aux layer ids {layer_ids} are outside the target's 0..{target_num_layers - 1}"
+        )
+    if not weights_path.is_file():
+        return [*problems, f"{path}: no model.safetensors"]
+    tensors = load_file(str(weights_path))
+    hidden, draft_vocab = config.get("hidden_size"), config.get("draft_vocab_size")
+    vocab = config.get("vocab_size")
+    head = tensors.get("lm_head.weight")
+    if head is None:
+        problems.append("no lm_head.weight: the engine would use an untrained head (τ = 1)")
+    elif tuple(head.shape) != (draft_vocab, hidden):
+        problems.append(
+            f"lm_head.weight has shape {tuple(head.shape)}, expected (draft_vocab_size "
+            f"{draft_vocab}, hidden_size {hidden})"
+        )
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None or t2d is None:
+        problems.append(
+            "no d2t/t2d vocab map: draft ids would be read as target ids (acceptance collapses)"
+        )
+    else:
+        if tuple(d2t.shape) != (draft_vocab,) or d2t.dtype != torch.int64:
+            problems.append(
+                f"d2t must be int64 [{draft_vocab}], got {d2t.dtype} {tuple(d2t.shape)}"
+            )
+        elif tuple(t2d.shape) != (vocab,) or t2d.dtype != torch.bool:
+            problems.append(f"t2d must be bool [{vocab}], got {t2d.dtype} {tuple(t2d.shape)}")
+        else:
+            target_ids = torch.arange(len(d2t)) + d2t
+            if bool(((target_ids < 0) | (target_ids >= len(t2d))).any()):
+                problems.append("d2t maps draft ids outside the target vocabulary")
+            elif not bool(t2d[target_ids].all()) or int(t2d.sum()) != len(d2t):
+                problems.append("d2t and t2d disagree on which target ids are in the draft vocab")
+    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    if len(floats) > 1:
+        problems.append(f"weights mix dtypes {sorted(str(d) for d in floats)}")
+    declared = config.get("torch_dtype")
+    if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
+        problems.append(f"config says torch_dtype {declared}, the weights are {next(iter(floats))}")
+    return problems

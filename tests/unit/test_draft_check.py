@@ -1,0 +1,78 @@
+"""The draft-directory validator names every way a draft from any tool can be broken."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_drafts import tiny_draft
+
+from eagleforge.formats import check_sglang_draft, export_sglang
+
+pytestmark = pytest.mark.unit
+
+
+def _draft_dir(tmp_path: Path) -> Path:
+    return export_sglang(tiny_draft(seed=1), tmp_path / "draft")
+
+
+def _edit_config(path: Path, change: Callable[[dict], None]) -> None:  # type: ignore[type-arg]
+    config = json.loads((path / "config.json").read_text())
+    change(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _edit_tensors(path: Path, change: Callable[[dict], None]) -> None:  # type: ignore[type-arg]
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_an_exported_draft_has_no_problems(tmp_path: Path) -> None:
+    assert check_sglang_draft(_draft_dir(tmp_path), target_num_layers=4) == []
+
+
+@pytest.mark.parametrize(
+    ("break_it", "message"),
+    [
+        (lambda p: _edit_tensors(p, lambda t: t.pop("lm_head.weight")), "no lm_head.weight"),
+        (lambda p: _edit_tensors(p, lambda t: t.pop("d2t")), "no d2t/t2d vocab map"),
+        (
+            lambda p: _edit_tensors(p, lambda t: t.__setitem__("d2t", torch.zeros_like(t["d2t"]))),
+            "d2t and t2d disagree",
+        ),
+        (
+            lambda p: _edit_config(
+                p, lambda c: c.__setitem__("architectures", ["LlamaForCausalLM"])
+            ),
+            "architectures is ['LlamaForCausalLM']",
+        ),
+        (
+            lambda p: _edit_config(p, lambda c: c.__setitem__("tie_word_embeddings", True)),
+            "tie_word_embeddings is true",
+        ),
+        (
+            lambda p: _edit_config(
+                p,
+                lambda c: c["eagle_config"].__setitem__(
+                    "eagle_aux_hidden_state_layer_ids", [1, 2, 9]
+                ),
+            ),
+            "aux layer ids [1, 2, 9] are outside the target's 0..3",
+        ),
+        (
+            lambda p: _edit_tensors(p, lambda t: t.__setitem__("fc.weight", t["fc.weight"].half())),
+            "weights mix dtypes",
+        ),
+        (lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
+    ],
+)
+def test_each_problem_is_named(tmp_path: Path, break_it, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = _draft_dir(tmp_path)
+    break_it(path)
+    problems = check_sglang_draft(path, target_num_layers=4)
+    assert any(message in p for p in problems), problems
