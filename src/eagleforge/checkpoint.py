@@ -54,20 +54,28 @@ def save_checkpoint(
     final = Path(checkpoint_dir)
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    export_sglang(draft, tmp)
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
-            "progress": dict(progress),
-        },
-        tmp / TRAINING_STATE,
-    )
-    (tmp / "config.yaml").write_text(config_yaml)
-    for file in tmp.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
+    try:
+        export_sglang(draft, tmp)
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_state(),
+                "progress": dict(progress),
+            },
+            tmp / TRAINING_STATE,
+        )
+        (tmp / "config.yaml").write_text(config_yaml)
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    except OSError as e:  # disk full, quota, permissions: keep what exists, say so
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"{final}: could not write the checkpoint ({e.strerror or e}); the earlier "
+            f"checkpoints in {final.parent} are intact. Free space (or fix the directory) and "
+            "run the same command again to resume from the last of them."
+        ) from None
     if final.exists():  # replacing (checkpoints/best): the old one stays whole until swapped
         old = final.with_name(f".old-{final.name}")
         shutil.rmtree(old, ignore_errors=True)

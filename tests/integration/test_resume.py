@@ -122,3 +122,30 @@ def test_draft_init_starts_from_a_checkpoint_with_a_fresh_optimizer(tmp_path: Pa
 
     with pytest.raises(ConfigError, match="model.draft_init=.*not a draft directory"):
         run(compose_config(overrides(tmp_path, "bad", f"model.draft_init={tmp_path}")))
+
+
+def test_a_failed_save_stops_with_a_clear_error_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import eagleforge.checkpoint as checkpoint_module
+
+    real_save = checkpoint_module.torch.save
+    calls = {"n": 0}
+
+    def disk_fills_up(obj, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint (step 4) hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", disk_fills_up)
+    with pytest.raises(CheckpointError, match=r"step_00000004: could not write the checkpoint "
+                       r"\(No space left on device\); the earlier checkpoints"):  # fmt: skip
+        run(compose_config(overrides(tmp_path, "full-disk")))
+    kept = sorted(p.name for p in (tmp_path / "full-disk" / "checkpoints").iterdir())
+    assert kept == ["step_00000002"]  # no torn directory left behind
+    monkeypatch.setattr(checkpoint_module.torch, "save", real_save)
+    resumed = run(compose_config(overrides(tmp_path, "full-disk")))
+    assert resumed.step == 6 and len(resumed.train_losses) == 4
