@@ -22,9 +22,15 @@ import time
 
 import torch
 
-from eagleforge.draft.loss import rows_per_chunk
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import TTTBatch, count_positions, loss_scales, step_weights, ttt_forward
+from eagleforge.draft.ttt import (
+    TTTBatch,
+    count_positions,
+    loss_scales,
+    shift_left,
+    step_weights,
+    ttt_forward,
+)
 from eagleforge.target.teacher import compute_teacher
 
 
@@ -136,14 +142,15 @@ def main() -> None:
     lm_head[draft_ids] *= 4
     weights = step_weights(args.ttt_length, 0.8)
 
+    def make_batch() -> TTTBatch:
+        """The teacher (through the target lm_head, where a next token is supervised) + inputs."""
+        needed = shift_left(loss_mask, 1)
+        teacher = compute_teacher(final_hidden, lm_head, draft_ids, t2d, needed_BT=needed)
+        return TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
+
     def step() -> float:
         start = time.perf_counter()
-        needed = torch.zeros_like(loss_mask)
-        needed[:, :-1] = loss_mask[:, 1:]
-        teacher = compute_teacher(
-            final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab), needed
-        )
-        batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
+        batch = make_batch()
         optimizer.zero_grad(set_to_none=True)
         scale_k = loss_scales(count_positions(batch, args.ttt_length), weights)
         stats = ttt_forward(
@@ -155,12 +162,7 @@ def main() -> None:
 
     step()  # warm-up
     seconds = statistics.median(step() for _ in range(args.steps))
-    needed = torch.zeros_like(loss_mask)
-    needed[:, :-1] = loss_mask[:, 1:]
-    teacher = compute_teacher(
-        final_hidden, lm_head, draft_ids, t2d, rows_per_chunk(args.vocab), needed
-    )
-    batch = TTTBatch(input_ids, valid, loss_mask, aux, teacher, document_ids, position_ids)
+    batch = make_batch()
     counts = count_positions(batch, args.ttt_length)
     counted_frac = float(counts.float().mean()) / t
     flops = step_flops_per_token(args, counted_frac)

@@ -20,10 +20,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from eagleforge.checkpoint import load_draft_weights
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
-from eagleforge.formats import check_sglang_draft, load_sglang
+from eagleforge.formats import load_checked_sglang, read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import load_prompts, render_prompt
@@ -69,10 +70,8 @@ def _step(path: Path) -> int:
 def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draft:
     """A draft from an SGLang-format directory, with the target's embedding; ConfigError
     when it was trained for another target."""
-    problems = check_sglang_draft(path, int(target.config.get_text_config().num_hidden_layers))
-    if problems:
-        raise ConfigError(f"{path}: not a usable EAGLE-3 draft: " + "; ".join(problems) + ".")
-    arch, tensors = load_sglang(path)
+    layers = int(target.config.get_text_config().num_hidden_layers)
+    arch, tensors = load_checked_sglang(path, layers)
     vocab = int(target.config.get_text_config().vocab_size)
     hidden = int(target.config.get_text_config().hidden_size)
     if arch.vocab_size != vocab or arch.target_hidden_size != hidden:
@@ -87,13 +86,7 @@ def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draf
             f"evaluated with it read {target.aux_layer_ids}; evaluate them separately."
         )
     draft = Eagle3Draft(arch)
-    missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    missing = [k for k in missing if not k.startswith("embed_tokens")]
-    if missing or unexpected:
-        raise ConfigError(
-            f"{path}: not an EAGLE-3 draft of this layout (missing {missing}, unexpected "
-            f"{unexpected})."
-        )
+    load_draft_weights(draft, tensors, path)
     draft.load_embedding(target.input_embedding().detach().float().cpu())
     return draft.to(device).eval()
 
@@ -134,17 +127,11 @@ def run(cfg: DictConfig) -> list[Summary]:
     device = resolve_device(config.parallel)
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)
-    arch, _ = load_sglang(drafts[0][1])
+    arch = read_sglang_architecture(drafts[0][1])
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     tokenizer = load_tokenizer(config.model, model_dir)
-    target = HFTarget.from_pretrained(
-        model_dir,
-        config.target,
-        config.model.dtype.torch_dtype(device),
-        device,
-        aux_layer_ids=arch.aux_layer_ids,
-        trust_remote_code=config.model.trust_remote_code,
-        revision=config.model.revision,
+    target = HFTarget.from_config(
+        config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
     )
     output_dir = Path(config.output_dir)
     tracker = build_tracker(config.tracker, config.output_root, run_name=f"eval-{output_dir.name}")

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.errors import ConfigError
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -68,9 +69,16 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | Path) -> Path:
 
 def load_sglang(path: str | Path) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
     """Read an SGLang EAGLE-3 directory back: the architecture and its tensors."""
-    path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    arch = DraftArchitecture(
+    return read_sglang_architecture(path), load_file(str(Path(path) / "model.safetensors"))
+
+
+def read_sglang_architecture(path: str | Path) -> DraftArchitecture:
+    """The architecture of an SGLang EAGLE-3 directory, from its config.json alone."""
+    return _architecture(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _architecture(config: dict[str, Any]) -> DraftArchitecture:
+    return DraftArchitecture(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
         num_attention_heads=config["num_attention_heads"],
@@ -88,21 +96,40 @@ def load_sglang(path: str | Path) -> tuple[DraftArchitecture, dict[str, torch.Te
         attention_bias=config.get("attention_bias", False),
         target_model_type=config.get("eagleforge", {}).get("target_model_type", "llama"),
     )
-    return arch, load_file(str(path / "model.safetensors"))
 
 
 def check_sglang_draft(path: str | Path, target_num_layers: int | None = None) -> list[str]:
     """Every problem that would make an SGLang EAGLE-3 draft directory (from any tool) load
     wrongly or accept poorly; an empty list when there is none."""
-    path = Path(path)
+    return _inspect(Path(path), target_num_layers)[0]
+
+
+def load_checked_sglang(
+    path: str | Path, target_num_layers: int
+) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
+    """``load_sglang`` after ``check_sglang_draft`` (reading the weights once); ConfigError
+    listing every problem."""
+    problems, config, tensors = _inspect(Path(path), target_num_layers)
+    if problems:
+        raise ConfigError(
+            f"{path}: not a usable EAGLE-3 draft: {'; '.join(problems)}. Export it again with "
+            "the tool that trained it, or train one with eagleforge for this target."
+        )
+    return _architecture(config), tensors
+
+
+def _inspect(
+    path: Path, target_num_layers: int | None
+) -> tuple[list[str], dict[str, Any], dict[str, torch.Tensor]]:
+    """(problems, config, tensors) of a draft directory; the last two empty when unreadable."""
     problems: list[str] = []
     config_path, weights_path = path / "config.json", path / "model.safetensors"
     if not config_path.is_file():
-        return [f"{path}: no config.json"]
+        return [f"{path}: no config.json"], {}, {}
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
-        return [f"{config_path}: not valid JSON ({e.msg})"]
+        return [f"{config_path}: not valid JSON ({e.msg})"], {}, {}
     if config.get("architectures") != [SGLANG_ARCHITECTURE]:
         problems.append(
             f"architectures is {config.get('architectures')!r}, SGLang needs "
@@ -127,7 +154,7 @@ def check_sglang_draft(path: str | Path, target_num_layers: int | None = None) -
             f"aux layer ids {layer_ids} are outside the target's 0..{target_num_layers - 1}"
         )
     if not weights_path.is_file():
-        return [*problems, f"{path}: no model.safetensors"]
+        return [*problems, f"{path}: no model.safetensors"], config, {}
     tensors = load_file(str(weights_path))
     hidden, draft_vocab = config.get("hidden_size"), config.get("draft_vocab_size")
     vocab = config.get("vocab_size")
@@ -163,4 +190,4 @@ def check_sglang_draft(path: str | Path, target_num_layers: int | None = None) -
     declared = config.get("torch_dtype")
     if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
         problems.append(f"config says torch_dtype {declared}, the weights are {next(iter(floats))}")
-    return problems
+    return problems, config, tensors

@@ -15,7 +15,9 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
@@ -39,22 +41,18 @@ from eagleforge.target.source import load_tokenizer, resolve_model_dir
 log = logging.getLogger("eagleforge.prepare")
 
 
-def expected_manifest(
-    config: EagleForgeConfig, model_dir: Path, aux_layer_ids: list[int], dtype: torch.dtype
-) -> dict[str, object]:
-    """The manifest fields a store must have for this run (target, layers, template, length)."""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+def expected_manifest(config: EagleForgeConfig, model_dir: Path, target: Any) -> dict[str, Any]:
+    """The manifest fields a store must have for a run with this target (an HFTarget or a
+    HeadOnlyTarget): target, weights, layers, template, length."""
+    text = target.config.get_text_config()
     return {
         "target": config.model.name,
         "weight_hash": weight_hash(model_dir),
         "vocab_size": int(text.vocab_size),
         "hidden_size": int(text.hidden_size),
-        "aux_layer_ids": list(aux_layer_ids),
+        "aux_layer_ids": list(target.aux_layer_ids),
         "template": config.data.template,
         "max_length": config.data.max_length,
-        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -77,7 +75,8 @@ def capture_split(
     """Capture the missing shards of this rank into ``store``; counts of what was written."""
     store.mkdir(parents=True, exist_ok=True)
     if (store / "manifest.json").is_file():
-        Manifest.read(store).check_matches(manifest, store, Manifest.CAPTURE_FIELDS)
+        # continuing a capture: every field must agree, the dtype and shard layout included
+        Manifest.read(store).check_matches(asdict(manifest), store)
     else:
         manifest.write(store)
     per_shard = manifest.samples_per_shard
@@ -86,7 +85,7 @@ def capture_split(
         for shard in range(manifest.num_shards)
         if shard % world_size == rank and not shard_complete(store, shard)
     ]
-    lengths = [len(ids) for ids in dataset.input_ids]
+    lengths = dataset.lengths()
     tokens = sum(sum(lengths[s * per_shard : (s + 1) * per_shard]) for s in todo)
     counts = {"shards": len(todo), "samples": 0, "tokens": 0, "nonfinite": 0}
     device = target.model.device
@@ -99,9 +98,10 @@ def capture_split(
             chunk = indices[start : start + batch_size]
             batch = collate([dataset[i] for i in chunk])
             out = target.forward(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            aux_BTA, final_BTH = out.aux_BTA.cpu(), out.final_hidden_BTH.cpu()  # one copy
             for row, index in enumerate(chunk):
                 n = lengths[index]
-                aux, final = out.aux_BTA[row, :n].cpu(), out.final_hidden_BTH[row, :n].cpu()
+                aux, final = aux_BTA[row, :n], final_BTH[row, :n]
                 if not (bool(torch.isfinite(aux).all()) and bool(torch.isfinite(final).all())):
                     nonfinite.append(index)
                     continue
@@ -136,19 +136,16 @@ def run(config: EagleForgeConfig) -> Path:
     tokenizer = load_tokenizer(config.model, model_dir)
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
     dtype = config.model.dtype.torch_dtype(device)
-    target = HFTarget.from_pretrained(
-        model_dir, config.target, dtype, device,
-        aux_layer_ids=config.model.aux_layer_ids,
-        trust_remote_code=config.model.trust_remote_code, revision=config.model.revision,
-    )  # fmt: skip
-    fields = expected_manifest(config, Path(model_dir), target.aux_layer_ids, dtype)
+    target = HFTarget.from_config(config.model, config.target, model_dir, device)
+    fields = expected_manifest(config, Path(model_dir), target)
     splits = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
     per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress)  # type: ignore[call-overload]
-    needed = sum(d.num_tokens() for _, d in splits) * per_token
+    tokens = sum(d.num_tokens() for _, d in splits)
+    needed = tokens * per_token
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     print(
-        f"feature store {out}: {sum(d.num_tokens() for _, d in splits):,} tokens x "
+        f"feature store {out}: {tokens:,} tokens x "
         f"{per_token:,} bytes = {needed / 2**30:.2f} GiB ({free / 2**30:.1f} GiB free)",
         flush=True,
     )
@@ -161,7 +158,8 @@ def run(config: EagleForgeConfig) -> Path:
     for split, dataset in splits:
         start = time.perf_counter()
         manifest = Manifest(
-            **fields,  # type: ignore[arg-type]
+            **fields,
+            dtype=str(dtype).removeprefix("torch."),
             data_key=f"{data.cache_key}/{split}",
             samples_per_shard=cfg.samples_per_shard,
             num_samples=len(dataset),

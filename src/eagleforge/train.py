@@ -14,8 +14,8 @@ import logging
 import math
 import random
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from eagleforge.checkpoint import TRAINING_STATE, load_draft_weights, newest_checkpoint
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets, make_loader
-from eagleforge.data.features import FeatureDataset, Manifest
+from eagleforge.data.features import FeatureDataset
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
@@ -69,15 +69,7 @@ def online_inputs(
 ) -> Inputs:
     """Tokenized conversations; the full target runs in every step."""
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
-    target = HFTarget.from_pretrained(
-        model_dir,
-        config.target,
-        config.model.dtype.torch_dtype(device),
-        device,
-        aux_layer_ids=config.model.aux_layer_ids,
-        trust_remote_code=config.model.trust_remote_code,
-        revision=config.model.revision,
-    )
+    target = HFTarget.from_config(config.model, config.target, model_dir, device)
     vocab_dir = Path(cache_dir) / "vocab" / data.cache_key
     return Inputs(data.train, data.eval, target, data.train, vocab_dir, data.report)
 
@@ -97,24 +89,15 @@ def offline_inputs(
     )
     dtype = config.model.dtype.torch_dtype(device)
     target = HeadOnlyTarget(model_dir, dtype, device, config.model.aux_layer_ids)
-    expected = expected_manifest(config, model_dir, target.aux_layer_ids, dtype)
+    expected = expected_manifest(config, model_dir, target)
     for dataset in (train_set, eval_set):
         if dataset is not None:
-            reference = {**asdict(dataset.manifest), **expected}
-            dataset.manifest.check_matches(Manifest(**reference), dataset.store)
+            dataset.manifest.check_matches(expected, dataset.store)
     key = hashlib.sha256(
         f"{store.resolve()}|{train_set.manifest.data_key}|{train_set.manifest.weight_hash}".encode()
     ).hexdigest()[:16]
-    samples = (sample for sample in _lazy(train_set.token_samples))
     vocab_dir = Path(cache_dir) / "vocab" / f"features-{key}"
-    return Inputs(train_set, eval_set, target, samples, vocab_dir, None)
-
-
-def _lazy(
-    read: Callable[[], list[tuple[list[int], list[int]]]],
-) -> Iterator[tuple[list[int], list[int]]]:
-    """Read only when iterated: the vocab map is usually cached."""
-    yield from read()
+    return Inputs(train_set, eval_set, target, train_set.token_samples(), vocab_dir, None)
 
 
 def init_from(draft: Eagle3Draft, path: Path) -> None:
@@ -183,7 +166,7 @@ def run(cfg: DictConfig) -> TrainResult:
         init_from(draft, Path(config.model.draft_init))
     draft.to(device)
     # the draft's own map: with model.draft_init it is the initial draft's, not this data's
-    draft_ids_W = torch.arange(len(draft.d2t), device=device) + draft.d2t
+    draft_ids_W = draft.draft_to_target_ids(torch.arange(len(draft.d2t), device=device))
     t2d_V = draft.t2d
 
     trainer_cfg = config.trainer

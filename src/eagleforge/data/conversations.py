@@ -105,7 +105,9 @@ def expand_sources(patterns: list[str]) -> list[Path]:
                 )
             if path.is_dir() and not (path / "dataset_info.json").exists():
                 raise DataError(
-                    f"{path} is a directory but not a saved HF dataset (no dataset_info.json)."
+                    f"{path} is a directory but not a saved HF dataset (no dataset_info.json); "
+                    "point data.path at a .jsonl/.json/.parquet file or a directory written "
+                    "by Dataset.save_to_disk."
                 )
             if path.is_file() and path.suffix not in {".jsonl", ".json", ".parquet"}:
                 raise DataError(

@@ -38,7 +38,6 @@ from eagleforge.data.conversations import (
     preformatted_text,
     read_rows,
 )
-from eagleforge.data.features import FeatureDataset
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
 from eagleforge.data.template import make_renderer, tokenize_rendered
@@ -178,8 +177,11 @@ class TokenizedDataset(torch.utils.data.Dataset):
             [self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices]
         )
 
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
     def num_tokens(self) -> int:
-        return sum(len(ids) for ids in self.input_ids)
+        return sum(self.lengths())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,7 +541,7 @@ class PackedCollator:
 
 
 def make_loader(
-    dataset: TokenizedDataset | FeatureDataset,
+    dataset: Any,  # TokenizedDataset or data.features.FeatureDataset: samples and lengths()
     packing: bool,
     max_tokens_per_batch: int,
     batch_size: int,
@@ -561,10 +563,5 @@ def make_loader(
         return torch.utils.data.DataLoader(
             dataset, batch_sampler=batches, collate_fn=Collator(pad_token_id)
         )
-    lengths = (
-        dataset.lengths()
-        if isinstance(dataset, FeatureDataset)
-        else [len(ids) for ids in dataset.input_ids]
-    )
-    rows = pack_indices(lengths, order, max_tokens_per_batch)
+    rows = pack_indices(dataset.lengths(), order, max_tokens_per_batch)
     return torch.utils.data.DataLoader(dataset, batch_sampler=rows, collate_fn=PackedCollator())

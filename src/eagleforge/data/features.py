@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagleforge.data.dataset import file_digest
 from eagleforge.errors import ConfigError, DataError
 
 FORMAT = "eagleforge-features"
@@ -112,22 +114,19 @@ class Manifest:
             )
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise DataError(f"{path}: not an {FORMAT} v{VERSION} manifest.")
+            raise DataError(
+                f"{path}: not an {FORMAT} v{VERSION} manifest; capture the store again with "
+                "eagleforge.prepare into an empty prepare.output_dir, or point data.features "
+                "elsewhere."
+            )
         return cls(**data)
 
-    # What a training run must agree on; a capture continuing a store must agree on all.
-    TRAINING_FIELDS = ("target", "weight_hash", "vocab_size", "hidden_size", "aux_layer_ids",
-                       "template", "max_length")  # fmt: skip
-    CAPTURE_FIELDS = (*TRAINING_FIELDS, "data_key", "num_samples", "samples_per_shard", "compress")
-
-    def check_matches(
-        self, expected: Manifest, store: Path, fields: tuple[str, ...] = TRAINING_FIELDS
-    ) -> None:
-        """DataError naming every field where the store differs from what the run expects."""
+    def check_matches(self, expected: Mapping[str, Any], store: Path) -> None:
+        """DataError naming every field of ``expected`` on which the store differs."""
         diffs = [
-            f"{name}: store has {getattr(self, name)!r}, the run needs {getattr(expected, name)!r}"
-            for name in fields
-            if getattr(self, name) != getattr(expected, name)
+            f"{name}: store has {getattr(self, name)!r}, the run needs {value!r}"
+            for name, value in expected.items()
+            if getattr(self, name) != value
         ]
         if diffs:
             raise DataError(
@@ -199,8 +198,8 @@ def write_shard(
     tmp = store / f".tmp-{name}.safetensors"
     save_file(tensors, str(tmp))
     with tmp.open("rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
         os.fsync(f.fileno())
+    sha = file_digest(tmp)
     final_path = store / f"{name}.safetensors"
     os.replace(tmp, final_path)
     record = {
@@ -242,7 +241,7 @@ class FeatureDataset(torch.utils.data.Dataset):
                 )
             if verify_checksums:
                 record = json.loads((self.store / f"{shard_name(shard)}.json").read_text())
-                if hashlib.sha256(path.read_bytes()).hexdigest() != record["sha256"]:
+                if file_digest(path) != record["sha256"]:
                     raise DataError(
                         f"{path}: checksum mismatch (corrupted); delete it and its .json, then "
                         "re-run eagleforge.prepare to capture it again."
@@ -285,15 +284,12 @@ class FeatureDataset(torch.utils.data.Dataset):
             final,
         )
 
-    def token_samples(self) -> list[tuple[list[int], list[int]]]:
-        """(input_ids, loss_mask) of every sample (ids and masks only: 5 bytes a token)."""
-        out: list[tuple[list[int], list[int]]] = []
+    def token_samples(self) -> Iterator[tuple[list[int], list[int]]]:
+        """(input_ids, loss_mask) of every sample, read shard by shard only when iterated
+        (ids and masks only: 5 bytes a token)."""
         for shard in range(self.manifest.num_shards):
             handle = self._open(shard)
             ids, mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
             offsets = handle.get_tensor("offsets").tolist()
-            out.extend(
-                (ids[a:b].tolist(), mask[a:b].tolist())
-                for a, b in zip(offsets[:-1], offsets[1:], strict=True)
-            )
-        return out
+            for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+                yield ids[a:b].tolist(), mask[a:b].tolist()

@@ -62,7 +62,7 @@ def marked_sample(ids: list[int], mask: list[int], tokenizer: Any, color: bool) 
 
 
 def report_lines(report: DataReport, dataset: TokenizedDataset, num_buckets: int) -> list[str]:
-    lengths = [len(ids) for ids in dataset.input_ids]
+    lengths = dataset.lengths()
     lines = [
         f"rows read:          {report.rows}",
         f"kept:               {report.kept}",

@@ -50,7 +50,6 @@ class _SoftCrossEntropy(torch.autograd.Function):
         compute = torch.promote_types(hidden_nH.dtype, torch.float32)
         loss_n = torch.empty(rows, dtype=compute, device=hidden_nH.device)
         argmax_n = torch.empty(rows, dtype=torch.long, device=hidden_nH.device)
-        with_grad = with_grad and scale_n is not None
         grad_hidden = torch.empty_like(hidden_nH) if with_grad else None
         grad_weight = torch.zeros_like(weight_WH, dtype=compute) if with_grad else None
         for start in range(0, rows, chunk_size):
@@ -116,10 +115,13 @@ def soft_cross_entropy(
     when ``scale_n`` is given and autograd is recording. ``loss_n`` and the argmax of the
     logits per row are for metrics.
     """
-    with_grad = torch.is_grad_enabled() and (hidden_nH.requires_grad or weight_WH.requires_grad)
+    with_grad = (
+        scale_n is not None
+        and torch.is_grad_enabled()
+        and (hidden_nH.requires_grad or weight_WH.requires_grad)
+    )
     if chunk_size is None:
         chunk_size = rows_per_chunk(weight_WH.shape[0], LOSS_CHUNK_BYTES, LOSS_MIN_ROWS)
-    weighted, loss_n, argmax_n = _SoftCrossEntropy.apply(
+    return _SoftCrossEntropy.apply(  # type: ignore[no-any-return]
         hidden_nH, weight_WH, teacher_MW, teacher_rows_n, scale_n, chunk_size, with_grad
     )
-    return weighted, loss_n, argmax_n

@@ -45,7 +45,7 @@ class DraftConfig:
     ttt_length: int = 7
     # Weight of TTT step i in the loss is step_weight_decay ** i.
     step_weight_decay: float = 0.8
-    # TTT attention implementation (auto | eager | sdpa | flex).
+    # TTT attention: auto (sdpa on CPU, eager on CUDA) | eager | sdpa | flash (CUDA) | flex (CUDA).
     attention: AttentionBackend = AttentionBackend.auto
     # torch.compile the draft layer step (the first steps are slower while it compiles).
     compile: bool = False

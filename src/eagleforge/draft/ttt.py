@@ -14,6 +14,7 @@ W draft vocab, n counted positions, k TTT steps.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,16 +129,13 @@ def draft_step(
     return draft.layer_output(hidden_BTH, attention_BTX)
 
 
-_compiled_draft_step: Any = None
-
-
+@functools.cache
 def compiled_draft_step() -> Any:
-    """``draft_step`` through torch.compile, built once per process (one graph per TTT step)."""
-    global _compiled_draft_step
-    if _compiled_draft_step is None:
-        # dynamic=None: after the first new sequence length, compile once with dynamic shapes
-        _compiled_draft_step = torch.compile(draft_step)
-    return _compiled_draft_step
+    """``draft_step`` through torch.compile, built once per process (one graph per TTT step).
+
+    dynamic=None: after the first new sequence length, it compiles once with dynamic shapes.
+    """
+    return torch.compile(draft_step)
 
 
 def ttt_forward(
@@ -164,10 +162,24 @@ def ttt_forward(
     hidden_BTH = draft.fc(batch.aux_BTA.to(draft.fc.weight.dtype))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    # Rows of every step's counted positions, for one lm_head + loss call after the loop.
-    normed_rows, teacher_rows, step_of_rows = [], [], []
+    # Normed outputs at every step's counted positions, for one lm_head + loss call.
+    normed_rows = []
+    # Counted positions of every step, found once (one host sync, not one per step); nonzero
+    # lists them step by step, so each step's rows are a contiguous slice.
+    counted_kBT = torch.stack(
+        [
+            counted_positions(
+                batch.loss_mask_BT, valid, teacher.in_draft_BT, step, batch.document_ids_BT
+            )
+            for step in range(ttt_length)
+        ]
+    )
+    step_n, rows_n, cols_n = counted_kBT.nonzero(as_tuple=True)
+    per_step_rows = counted_kBT.sum((1, 2)).tolist()
     step_fn = compiled_draft_step() if compile else draft_step
-    for step in range(ttt_length):
+    for step, (rows, cols) in enumerate(
+        zip(rows_n.split(per_step_rows), cols_n.split(per_step_rows), strict=True)
+    ):
         hidden_BTH = step_fn(
             draft,
             shift_left(input_ids, 1 + step),
@@ -179,15 +191,8 @@ def ttt_forward(
             values,
             attention,
         )
-        counted_BT = counted_positions(
-            batch.loss_mask_BT, valid, teacher.in_draft_BT, step, batch.document_ids_BT
-        )
-        rows, cols = counted_BT.nonzero(as_tuple=True)
         normed_rows.append(draft.norm(hidden_BTH[rows, cols]))
-        teacher_rows.append(rows * seq + cols + 1 + step)
-        step_of_rows.append(torch.full_like(rows, step))
-    step_n = torch.cat(step_of_rows)
-    teacher_n = torch.cat(teacher_rows)
+    teacher_n = rows_n * seq + cols_n + 1 + step_n
     loss, loss_n, draft_argmax_n = soft_cross_entropy(
         torch.cat(normed_rows),
         draft.lm_head.weight,

@@ -228,7 +228,6 @@ class Node:
     draft_probs_W: torch.Tensor | None = None  # the distribution it was sampled from (chain)
     draft_id: int = -1
     hidden_H: torch.Tensor | None = None  # output of feeding this node (predicts its children)
-    key: Any = None  # (k, v) of feeding this node, [1, K, 1, D] each
 
 
 class SpeculativeDecoder:
@@ -241,8 +240,10 @@ class SpeculativeDecoder:
     ) -> None:
         self.target, self.draft = TargetRunner(target), DraftRunner(draft)
         self.settings, self.eos_ids = settings, eos_ids
-        self.d2t = draft.d2t
-        self.vocab_size = draft.arch.vocab_size
+        # target id of every draft id (the draft's vocab map, applied once)
+        self.target_ids_W = draft.draft_to_target_ids(
+            torch.arange(draft.arch.draft_vocab_size, device=draft.d2t.device)
+        )
 
     # --- sampling helpers --------------------------------------------------------------------
 
@@ -340,7 +341,7 @@ class SpeculativeDecoder:
             ids = log_q.topk(min(s.topk, log_q.numel())).indices.tolist()
         return [
             Node(
-                token=int(self.d2t[i]) + i,
+                token=int(self.target_ids_W[i]),
                 parent=parent,
                 depth=depth,
                 score=parent_score + float(log_q[i]),
@@ -458,9 +459,7 @@ class SpeculativeDecoder:
         if q_W is not None:  # a sampled chain token
             child = children[0]
             q = torch.zeros_like(p)
-            q[self.d2t.to(p.device) + torch.arange(len(self.d2t), device=p.device)] = q_W.to(
-                p.dtype
-            )
+            q[self.target_ids_W.to(p.device)] = q_W.to(p.dtype)
             accepted, bonus = accept_sampled(p, q, child.token, generator)
             return (0 if accepted else None), bonus
         return accept_proposals(p, [c.token for c in children], generator)

@@ -50,7 +50,10 @@ def load_prompts(source: str, multi_turn: bool, limit: int | None = None) -> lis
         if limit is not None and len(items) == limit:
             break
     if not items:
-        raise DataError(f"{path}: holds no prompts.")
+        raise DataError(
+            f"{path}: holds no prompts; give one JSON object per line with 'turns', 'prompt', "
+            "'conversations' or 'messages', or use eval.prompts=mtbench."
+        )
     return items
 
 

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
+from eagleforge.draft.attention import ttt_attention_mask
 from eagleforge.errors import ConfigError
 from eagleforge.target import TargetConfig, TargetOutput
-from eagleforge.target.source import default_aux_layer_ids
+from eagleforge.target.source import ModelConfig, default_aux_layer_ids
 
 
 def _decoder_layers(model: Any) -> torch.nn.ModuleList:
@@ -48,6 +49,27 @@ class HFTarget:
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in self.aux_layer_ids:
             self.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+
+    @classmethod
+    def from_config(
+        cls,
+        model_cfg: ModelConfig,
+        target_cfg: TargetConfig,
+        model_dir: str | Path,
+        device: torch.device,
+        aux_layer_ids: list[int] | None = None,
+    ) -> HFTarget:
+        """The target as the run's `model` and `target` sections describe it; ``aux_layer_ids``
+        overrides model.aux_layer_ids (e.g. with the layers a trained draft reads)."""
+        return cls.from_pretrained(
+            model_dir,
+            target_cfg,
+            model_cfg.dtype.torch_dtype(device),
+            device,
+            aux_layer_ids=aux_layer_ids or model_cfg.aux_layer_ids,
+            trust_remote_code=model_cfg.trust_remote_code,
+            revision=model_cfg.revision,
+        )
 
     @classmethod
     def from_pretrained(
@@ -91,10 +113,8 @@ class HFTarget:
         base = self.model.get_decoder()
         mask: torch.Tensor = attention_mask_BT
         if document_ids_BT is not None:
-            seq = input_ids_BT.shape[1]
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=input_ids_BT.device).tril()
-            same_document = document_ids_BT.unsqueeze(2) == document_ids_BT.unsqueeze(1)
-            mask = (causal & same_document).unsqueeze(1)
+            # the TTT's step-0 mask: causal, within each document
+            mask = ttt_attention_mask(attention_mask_BT, 1, document_ids_BT).unsqueeze(1)
         out = base(
             input_ids=input_ids_BT,
             attention_mask=mask,
