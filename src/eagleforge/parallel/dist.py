@@ -1,0 +1,106 @@
+"""The process group and DeviceMesh of a run, built once from the launcher's environment.
+
+torchrun (and SLURM through ``launchers/``) export ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``; without them the run is one process and ``World`` is
+the trivial world (no process group, every collective a no-op).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from eagleforge.parallel import ParallelConfig, ParallelDims, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class World:
+    """This process's place in the run: device, rank, and the mesh over all ranks."""
+
+    device: torch.device
+    dims: ParallelDims
+    rank: int = 0
+    local_rank: int = 0
+    mesh: DeviceMesh | None = None  # axes ParallelDims.NAMES; None in a one-process run
+
+    @property
+    def size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along a mesh axis (0 in a one-process run)."""
+        return 0 if self.mesh is None else self.mesh.get_local_rank(axis)
+
+    @property
+    def data_rank(self) -> int:
+        """Which data shard this rank reads (sp ranks of one sample read the same shard)."""
+        return self.coordinate("dp") * self.dims.tp + self.coordinate("tp")
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group(axis)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank, in place (on the collective's device); returns the tensor."""
+        if self.mesh is not None:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.mesh is not None:
+            dist.barrier()
+
+
+def init_distributed(cfg: ParallelConfig) -> World:
+    """Join the launcher's process group (nccl on CUDA, gloo on CPU) and build the mesh."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dims = cfg.dims(world_size)
+    device = resolve_device(cfg, local_rank)
+    if world_size == 1:
+        return World(device, dims)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    mesh = init_device_mesh(device.type, dims.shape, mesh_dim_names=ParallelDims.NAMES)
+    rank = dist.get_rank()
+    log.info(
+        "rank %d/%d on %s, mesh %s",
+        rank,
+        world_size,
+        device,
+        dict(zip(dims.NAMES, dims.shape, strict=True)),
+    )
+    return World(device, dims, rank, local_rank, mesh)
+
+
+@contextmanager
+def distributed(cfg: ParallelConfig) -> Iterator[World]:
+    """``init_distributed`` for the length of a run; the process group is destroyed after."""
+    world = init_distributed(cfg)
+    try:
+        yield world
+    finally:
+        if world.distributed and dist.is_initialized():
+            dist.destroy_process_group()
