@@ -2,6 +2,10 @@
 
 The aux states are captured with forward hooks on the chosen decoder layers, and the forward
 stops before the lm_head (the teacher is computed in chunks from the final hidden state).
+
+With a tp mesh (``parallel.tp`` > 1) the model is sharded over the tp ranks and every forward
+runs on the tp group's micro-batches together; each rank gets back its own rows
+(``eagleforge.parallel.tp``).
 """
 
 from __future__ import annotations
@@ -10,9 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.draft.attention import ttt_attention_mask
 from eagleforge.errors import ConfigError
+from eagleforge.parallel.tp import (
+    check_tp_fits,
+    full_weight,
+    gather_group_batch,
+    load_tensor_parallel,
+)
 from eagleforge.target import TargetConfig, TargetOutput
 from eagleforge.target.source import ModelConfig, default_aux_layer_ids
 
@@ -28,14 +39,17 @@ def _decoder_layers(model: Any) -> torch.nn.ModuleList:
 
 
 class HFTarget:
-    """A frozen ``AutoModelForCausalLM`` with aux-layer capture."""
+    """A frozen ``AutoModelForCausalLM`` with aux-layer capture; with ``tp_mesh`` (more than
+    one rank) the forward runs on the tp group's micro-batches together (a collective)."""
 
     def __init__(
         self,
         model: Any,  # a transformers PreTrainedModel with a decoder
         aux_layer_ids: list[int] | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
+        self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.config = model.config
         self.layers = _decoder_layers(model)
         num_layers = len(self.layers)
@@ -49,6 +63,13 @@ class HFTarget:
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in self.aux_layer_ids:
             self.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+        # The teacher and the draft need whole matrices: gathered once here, on every tp rank.
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.tp_mesh is not None:
+            embedding = model.get_input_embeddings().weight
+            head = model.get_output_embeddings().weight
+            full = full_weight(embedding)
+            self._gathered = (full, full if head is embedding else full_weight(head))
 
     @classmethod
     def from_config(
@@ -58,9 +79,11 @@ class HFTarget:
         model_dir: str | Path,
         device: torch.device,
         aux_layer_ids: list[int] | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> HFTarget:
         """The target as the run's `model` and `target` sections describe it; ``aux_layer_ids``
-        overrides model.aux_layer_ids (e.g. with the layers a trained draft reads)."""
+        overrides model.aux_layer_ids (e.g. with the layers a trained draft reads); ``tp_mesh``
+        is the run mesh's "tp" axis (``parallel.tp.tp_axis(world.mesh)``), None for no TP."""
         return cls.from_pretrained(
             model_dir,
             target_cfg,
@@ -69,6 +92,7 @@ class HFTarget:
             aux_layer_ids=aux_layer_ids or model_cfg.aux_layer_ids,
             trust_remote_code=model_cfg.trust_remote_code,
             revision=model_cfg.revision,
+            tp_mesh=tp_mesh,
         )
 
     @classmethod
@@ -81,17 +105,26 @@ class HFTarget:
         aux_layer_ids: list[int] | None = None,
         trust_remote_code: bool = False,
         revision: str | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> HFTarget:
-        from transformers import AutoModelForCausalLM
+        """Load with transformers; with ``tp_mesh`` (more than one rank) sharded over it."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            model_dir,
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=trust_remote_code,
-            revision=revision,
+        kwargs: dict[str, Any] = {
+            "dtype": dtype,
+            "attn_implementation": cfg.attn_implementation,
+            "trust_remote_code": trust_remote_code,
+            "revision": revision,
+        }
+        if tp_mesh is None or tp_mesh.size() == 1:
+            model: Any = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+            return cls(model.to(device), aux_layer_ids)
+        config = AutoConfig.from_pretrained(
+            model_dir, trust_remote_code=trust_remote_code, revision=revision
         )
-        return cls(model.to(device), aux_layer_ids)
+        check_tp_fits(config, tp_mesh.size())
+        model = load_tensor_parallel(model_dir, tp_mesh, device, **kwargs)
+        return cls(model, aux_layer_ids, tp_mesh)
 
     def _capture_hook(self, layer_id: int):  # type: ignore[no-untyped-def]
         def hook(_module, _inputs, output):  # type: ignore[no-untyped-def]
@@ -108,7 +141,29 @@ class HFTarget:
         position_ids_BT: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Aux and final hidden states; packed rows (``document_ids_BT``) get a block-diagonal
-        causal mask and per-document positions, so documents never see each other."""
+        causal mask and per-document positions, so documents never see each other.
+
+        With a tp mesh every tp rank must call this (with its own micro-batch) in step."""
+        if self.tp_mesh is None:
+            return self._forward(input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT)
+        group = gather_group_batch(
+            self.tp_mesh, input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT
+        )
+        out = self._forward(
+            group.input_ids_BT,
+            group.attention_mask_BT,
+            group.document_ids_BT,
+            group.position_ids_BT,
+        )
+        return TargetOutput(group.own(out.aux_BTA), group.own(out.final_hidden_BTH))
+
+    def _forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        document_ids_BT: torch.Tensor | None,
+        position_ids_BT: torch.Tensor | None,
+    ) -> TargetOutput:
         self._captured.clear()
         base = self.model.get_decoder()
         mask: torch.Tensor = attention_mask_BT
@@ -131,7 +186,11 @@ class HFTarget:
         return aux
 
     def input_embedding(self) -> torch.Tensor:
+        if self._gathered is not None:
+            return self._gathered[0]
         return self.model.get_input_embeddings().weight
 
     def lm_head_weight(self) -> torch.Tensor:
+        if self._gathered is not None:
+            return self._gathered[1]
         return self.model.get_output_embeddings().weight
