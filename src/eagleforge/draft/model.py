@@ -33,6 +33,7 @@ class AttentionBackend(str, Enum):
     sdpa = "sdpa"  # PyTorch flash kernel for step-0 keys + log-sum-exp merge of the diagonal
     flex = "flex"  # flex_attention with a BlockMask (CUDA; on CPU forward only)
     flash = "flash"  # as sdpa, with the flash-attn package's varlen kernel (CUDA)
+    usp = "usp"  # sequence parallel over the sp ranks: Ulysses all-to-all + ring (offline)
 
 
 @dataclass
@@ -45,7 +46,8 @@ class DraftConfig:
     ttt_length: int = 7
     # Weight of TTT step i in the loss is step_weight_decay ** i.
     step_weight_decay: float = 0.8
-    # TTT attention: auto (sdpa on CPU, eager on CUDA) | eager | sdpa | flash (CUDA) | flex (CUDA).
+    # TTT attention: auto (sdpa on CPU, eager on CUDA) | eager | sdpa | flash (CUDA) | flex (CUDA)
+    # | usp (sequence parallel over parallel.sp_ulysses x sp_ring ranks, offline).
     attention: AttentionBackend = AttentionBackend.auto
     # torch.compile the draft layer step (the first steps are slower while it compiles).
     compile: bool = False
@@ -84,6 +86,11 @@ class DraftConfig:
         if not 0.0 < self.step_weight_decay <= 1.0:
             raise ConfigError(
                 f"draft.step_weight_decay must be in (0, 1], got {self.step_weight_decay}."
+            )
+        if self.compile and self.attention == AttentionBackend.usp:
+            raise ConfigError(
+                "draft.compile=true does not combine with draft.attention=usp (its collectives "
+                "run outside torch.compile); set draft.compile=false."
             )
 
 

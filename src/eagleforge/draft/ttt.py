@@ -15,6 +15,7 @@ W draft vocab, n counted positions, k TTT steps.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +29,21 @@ from eagleforge.draft.attention import (
 )
 from eagleforge.draft.loss import soft_cross_entropy
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
+from eagleforge.parallel.usp import SequenceParallel, USPAttention, halo_length
 
-ATTENTION = {
+# (q, keys, values, valid_BT, document_ids_BT) -> [B, T, N*D], as ``eager_ttt_attention``.
+AttentionFn = Callable[
+    [
+        torch.Tensor,
+        list[torch.Tensor],
+        list[torch.Tensor],
+        torch.Tensor | None,
+        torch.Tensor | None,
+    ],
+    torch.Tensor,
+]
+
+ATTENTION: dict[AttentionBackend, AttentionFn] = {
     AttentionBackend.eager: eager_ttt_attention,
     AttentionBackend.sdpa: sdpa_ttt_attention,
     AttentionBackend.flex: flex_ttt_attention,
@@ -58,6 +72,14 @@ class TTTBatch:
     # Packed rows: the document of each position, and positions restarting at 0 per document.
     document_ids_BT: torch.Tensor | None = None
     position_ids_BT: torch.Tensor | None = None
+    # Trailing positions only the shifts read (a sequence-parallel chunk's look-ahead, see
+    # parallel/usp.py): neither computed nor counted.
+    halo: int = 0
+
+    @property
+    def computed_length(self) -> int:
+        """Positions the draft computes (and counts): the sequence without the halo."""
+        return self.input_ids_BT.shape[1] - self.halo
 
 
 @dataclass
@@ -104,7 +126,7 @@ def count_positions(batch: TTTBatch, ttt_length: int) -> torch.Tensor:
                 batch.teacher.in_draft_BT,
                 i,
                 batch.document_ids_BT,
-            ).sum()
+            )[:, : batch.computed_length].sum()
             for i in range(ttt_length)
         ]
     )
@@ -119,13 +141,14 @@ def draft_step(
     document_ids_BT: torch.Tensor | None,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    attention: AttentionBackend = AttentionBackend.eager,
+    attention: AttentionBackend | AttentionFn = AttentionBackend.eager,
 ) -> torch.Tensor:
     """One draft-layer pass of a TTT step; appends this step's keys/values; returns pre-norm [B,T,H]."""
     q, k, v = draft.layer_qkv(input_ids_BT, hidden_BTH, position_ids_BT)
     keys.append(k)
     values.append(v)
-    attention_BTX = ATTENTION[attention](q, keys, values, valid_BT, document_ids_BT)
+    attend = ATTENTION[attention] if isinstance(attention, AttentionBackend) else attention
+    attention_BTX = attend(q, keys, values, valid_BT, document_ids_BT)
     return draft.layer_output(hidden_BTH, attention_BTX)
 
 
@@ -146,20 +169,33 @@ def ttt_forward(
     attention: AttentionBackend = AttentionBackend.eager,
     compile: bool = False,
     loss_chunk_size: int | None = None,
+    sp: SequenceParallel | None = None,
 ) -> TTTStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts.
 
     ``loss_scale_k`` (see ``loss_scales``) multiplies each step's loss sum in the differentiable
     ``stats.loss``; without it (evaluation) no gradients are computed.
+
+    With ``attention=usp`` the batch is this rank's chunk (``shard_sequence``) and ``sp`` its
+    sequence-parallel ranks (one process when None); the stats are the chunk's. Every sp rank
+    must run the unroll, and its backward, together.
     """
     input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
     teacher = batch.teacher
-    seq = input_ids.shape[1]
+    seq, span = input_ids.shape[1], batch.computed_length
     positions_BT = batch.position_ids_BT
     if positions_BT is None:
         positions_BT = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
-    attention_valid = None if bool(valid.all()) else valid  # None: no padding to mask
-    hidden_BTH = draft.fc(batch.aux_BTA.to(draft.fc.weight.dtype))
+    positions_BT = positions_BT[:, :span]
+    documents_BT = None if batch.document_ids_BT is None else batch.document_ids_BT[:, :span]
+    attention_valid = None if bool(valid[:, :span].all()) else valid[:, :span]  # None: no padding
+    attend: AttentionBackend | AttentionFn = attention
+    if attention == AttentionBackend.usp:
+        sp = sp or SequenceParallel()
+        if sp.size > 1 and batch.halo < halo_length(ttt_length):
+            raise ValueError("attention=usp takes this rank's chunk: shard_sequence(batch, sp, k)")
+        attend = USPAttention(sp)
+    hidden_BTH = draft.fc(batch.aux_BTA[:, :span].to(draft.fc.weight.dtype))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     # Normed outputs at every step's counted positions, for one lm_head + loss call.
@@ -170,7 +206,7 @@ def ttt_forward(
         [
             counted_positions(
                 batch.loss_mask_BT, valid, teacher.in_draft_BT, step, batch.document_ids_BT
-            )
+            )[:, :span]
             for step in range(ttt_length)
         ]
     )
@@ -182,17 +218,17 @@ def ttt_forward(
     ):
         hidden_BTH = step_fn(
             draft,
-            shift_left(input_ids, 1 + step),
+            shift_left(input_ids, 1 + step)[:, :span],
             hidden_BTH,
             positions_BT + step,
             attention_valid,
-            batch.document_ids_BT,
+            documents_BT,
             keys,
             values,
-            attention,
+            attend,
         )
         normed_rows.append(draft.norm(hidden_BTH[rows, cols]))
-    teacher_n = rows_n * seq + cols_n + 1 + step_n
+    teacher_n = rows_n * seq + cols_n + 1 + step_n  # rows of the teacher, halo included
     loss, loss_n, draft_argmax_n = soft_cross_entropy(
         torch.cat(normed_rows),
         draft.lm_head.weight,
