@@ -1,9 +1,11 @@
 """Training checkpoints: one directory per save, written under a temporary name, then renamed.
 
 A checkpoint directory is also an SGLang draft directory (``config.json`` +
-``model.safetensors``, see ``formats.py``), plus ``training_state.pt`` (optimizer, scheduler,
-RNG states, step, epoch and data position; plain tensors and containers only, loadable with
-``torch.load(weights_only=True)``) and ``config.yaml``, the resolved run config.
+``model.safetensors``, see ``formats.py``), plus ``training_state.pt`` (optimizer state keyed by
+parameter name, scheduler, every rank's RNG states, step, epoch and data position; plain
+tensors and containers only, loadable with ``torch.load(weights_only=True)``) and
+``config.yaml``, the resolved run config. The state is whole, not sharded: a run resumes on
+any number of ranks.
 """
 
 from __future__ import annotations
@@ -17,9 +19,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagleforge.draft.model import Eagle3Draft
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import CheckpointError
-from eagleforge.formats import export_sglang, load_sglang
+from eagleforge.formats import load_sglang, write_sglang
+from eagleforge.parallel.dist import World
+from eagleforge.parallel.fsdp import (
+    TTTModule,
+    full_draft_state,
+    load_draft_state,
+    load_optimizer_state,
+    optimizer_state,
+)
 
 TRAINING_STATE = "training_state.pt"
 
@@ -44,27 +54,51 @@ def rng_state() -> dict[str, Any]:
 
 def save_checkpoint(
     checkpoint_dir: str | Path,
-    draft: Eagle3Draft,
+    module: TTTModule,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     progress: dict[str, int],
     config_yaml: str,
+    world: World,
 ) -> Path:
-    """Write a complete checkpoint at ``checkpoint_dir``; a crash mid-way leaves only a .tmp dir."""
+    """Write a complete checkpoint at ``checkpoint_dir``; a crash mid-way leaves only a .tmp dir.
+
+    Every rank calls it (the sharded state is gathered); rank 0 writes. A write error stops
+    every rank with the same CheckpointError.
+    """
     final = Path(checkpoint_dir)
+    tensors = full_draft_state(module)
+    state = {
+        "optimizer": optimizer_state(module, optimizer),
+        "scheduler": scheduler.state_dict(),
+        "rng": world.gather_objects(rng_state()),
+        "progress": dict(progress, data_shards=world.dims.data_shards),
+    }
+    error = None
+    if world.is_main:
+        try:
+            _write(final, module.draft.arch, tensors, state, config_yaml)
+        except CheckpointError as e:
+            error = e
+    if world.any(error is not None):
+        raise error or CheckpointError(
+            f"{final}: rank 0 could not write the checkpoint (see its log)."
+        )
+    return final
+
+
+def _write(
+    final: Path,
+    arch: DraftArchitecture,
+    tensors: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    config_yaml: str,
+) -> None:
     tmp = final.with_name(f".tmp-{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        export_sglang(draft, tmp)
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_state(),
-                "progress": dict(progress),
-            },
-            tmp / TRAINING_STATE,
-        )
+        write_sglang(arch, tensors, tmp)
+        torch.save(state, tmp / TRAINING_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
         for file in tmp.iterdir():
             with open(file, "rb") as f:
@@ -84,7 +118,6 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
-    return final
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -111,9 +144,9 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1].parent if found else None
 
 
-def load_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Every trained tensor of the draft (all but the frozen embedding), shapes checked."""
-    device = next(draft.parameters()).device
+def check_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Raise CheckpointError unless ``tensors`` hold every trained tensor of the draft (all but
+    the frozen embedding) in the draft's shapes."""
     own = draft.state_dict()
     wrong = [
         f"{k} {tuple(v.shape)} (draft: {tuple(own[k].shape)})"
@@ -127,17 +160,25 @@ def load_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], pat
             f"{path}: does not fit this draft (shapes {wrong}, missing {missing}, unexpected "
             f"{unexpected}); use the model and draft config it was trained with."
         )
+
+
+def load_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Every trained tensor of a (one-process) draft, shapes checked."""
+    check_draft_weights(draft, tensors, path)
+    device = next(draft.parameters()).device
     draft.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False)
 
 
 def load_checkpoint(
     checkpoint_dir: str | Path,
-    draft: Eagle3Draft,
+    module: TTTModule,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    world: World,
 ) -> dict[str, int]:
-    """Restore draft weights, optimizer, scheduler and RNG states; returns the progress
-    (step, epoch, batches_into_epoch). Raises CheckpointError naming a bad checkpoint."""
+    """Restore draft weights, optimizer, scheduler and RNG states on every rank; returns the
+    progress (step, epoch, batches_into_epoch, data_shards). Raises CheckpointError naming a
+    bad checkpoint. The full state loads into any number of ranks."""
     path = Path(checkpoint_dir)
     try:
         state = torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu")
@@ -147,8 +188,10 @@ def load_checkpoint(
             f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
             "the one before, or set trainer.resume=never."
         ) from None
-    load_draft_weights(draft, tensors, path)
-    optimizer.load_state_dict(state["optimizer"])
+    check_draft_weights(module.draft, tensors, path)
+    load_draft_state(module, tensors)
+    load_optimizer_state(module, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+    rngs = state["rng"]
+    set_rng_state(rngs[world.rank] if world.rank < len(rngs) else rngs[0])
     return {k: int(v) for k, v in state["progress"].items()}

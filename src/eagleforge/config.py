@@ -66,6 +66,33 @@ class EagleForgeConfig:
     # Converted models and tokenized data; null = $EAGLEFORGE_CACHE_DIR or ~/.cache/eagleforge.
     cache_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        """Checks that span sections (each section checks its own fields)."""
+        parallel, offline = self.parallel, bool(self.data.features)
+        if parallel.tp > 1 and offline:
+            raise ConfigError(
+                f"parallel.tp={parallel.tp} splits the target, but data.features trains from "
+                "stored features without one; set parallel.tp=1 (or train online)."
+            )
+        if parallel.tp > 1 and self.trainer.eval_tau_every_n_steps:
+            raise ConfigError(
+                f"trainer.eval_tau_every_n_steps needs the whole target on one rank, not "
+                f"parallel.tp={parallel.tp}; set it to 0 and run eagleforge.evaluate on the "
+                "saved checkpoints."
+            )
+        usp = self.draft.attention.value == "usp"
+        if parallel.sp > 1 and not (usp and offline):
+            raise ConfigError(
+                f"parallel.sp_ulysses x sp_ring = {parallel.sp} splits sequences, which needs "
+                "draft.attention=usp and offline training (data.features); set those, or "
+                "parallel.sp_ulysses=1 parallel.sp_ring=1."
+            )
+        if usp and parallel.sp == 1:
+            raise ConfigError(
+                "draft.attention=usp needs parallel.sp_ulysses x sp_ring > 1; set them, or "
+                "choose another draft.attention."
+            )
+
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
             return Path(self.cache_dir)

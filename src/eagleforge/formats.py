@@ -58,11 +58,23 @@ def sglang_config(arch: DraftArchitecture, dtype: torch.dtype) -> dict[str, Any]
 
 def export_sglang(draft: Eagle3Draft, out_dir: str | Path) -> Path:
     """Write the draft as an SGLang EAGLE-3 checkpoint directory (into an existing or new dir)."""
+    return write_sglang(draft.arch, draft.state_dict(), out_dir)
+
+
+def write_sglang(
+    arch: DraftArchitecture, tensors: dict[str, torch.Tensor], out_dir: str | Path
+) -> Path:
+    """``export_sglang`` from the draft's tensors (its state-dict names; the embedding is
+    left out)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in draft.trainable_state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = sglang_config(draft.arch, draft.fc.weight.dtype)
+    kept = {
+        k: v.detach().contiguous().cpu()
+        for k, v in tensors.items()
+        if not k.startswith("embed_tokens")
+    }
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = sglang_config(arch, kept["fc.weight"].dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 

@@ -30,10 +30,13 @@ from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets
 from eagleforge.data.features import FeatureDataset
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.draft.ttt import step_weights
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import load_sglang
 from eagleforge.optim import build_optimizer
-from eagleforge.parallel import resolve_device
+from eagleforge.parallel.dist import World, distributed
+from eagleforge.parallel.fsdp import TTTModule, shard_draft
+from eagleforge.parallel.tp import tp_axis
 from eagleforge.prepare import expected_manifest
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.target.head import HeadOnlyTarget
@@ -65,11 +68,14 @@ class Inputs:
 
 
 def online_inputs(
-    config: EagleForgeConfig, model_dir: Any, tokenizer: Any, device: torch.device, cache_dir: Path
+    config: EagleForgeConfig, model_dir: Any, tokenizer: Any, world: World, cache_dir: Path
 ) -> Inputs:
-    """Tokenized conversations; the full target runs in every step."""
-    data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
-    target = HFTarget.from_config(config.model, config.target, model_dir, device)
+    """Tokenized conversations; the full target runs in every step (split over the tp ranks)."""
+    with world.main_first():  # rank 0 fills the tokenized-data cache
+        data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    target = HFTarget.from_config(
+        config.model, config.target, model_dir, world.device, tp_mesh=tp_axis(world.mesh)
+    )
     vocab_dir = Path(cache_dir) / "vocab" / data.cache_key
     return Inputs(data.train, data.eval, target, data.train, vocab_dir, data.report)
 
@@ -129,21 +135,32 @@ def resume_from(resume: str, output_dir: Path) -> Path | None:
 
 
 def run(cfg: DictConfig) -> TrainResult:
-    """Build everything from a composed config and train; returns the trainer's result."""
+    """Build everything from a composed config and train; returns the trainer's result.
+
+    Under torchrun/SLURM every rank runs this; the process group lives as long as the run.
+    """
     config: EagleForgeConfig = to_typed(cfg)
-    device = resolve_device(config.parallel)
+    with distributed(config.parallel) as world:
+        if not world.is_main:  # one rank reports
+            logging.getLogger("eagleforge").setLevel(logging.WARNING)
+        return _run(cfg, config, world)
+
+
+def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult:
+    device = world.device
     attention = config.draft.attention_for(device)
     seed_everything(config.seed)
     cache_dir = config.resolved_cache_dir()
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    model_dir = resolve_model_dir(config.model, cache_dir)
+    with world.main_first():  # rank 0 fills the caches (converted model)
+        model_dir = resolve_model_dir(config.model, cache_dir)
     tokenizer = load_tokenizer(config.model, model_dir)
     if config.data.features:
         inputs = offline_inputs(config, Path(model_dir), device, cache_dir)
     else:
-        inputs = online_inputs(config, model_dir, tokenizer, device, cache_dir)
+        inputs = online_inputs(config, model_dir, tokenizer, world, cache_dir)
     train_set, eval_set, target = inputs.train, inputs.eval, inputs.target
     log.info(
         "data: %d train / %d eval conversations, %d train tokens",
@@ -152,12 +169,13 @@ def run(cfg: DictConfig) -> TrainResult:
         train_set.num_tokens(),
     )
     arch = DraftArchitecture.from_target(target.config, config.draft, target.aux_layer_ids)
-    vocab = cached_vocab_map(
-        inputs.token_samples,
-        arch.vocab_size,
-        arch.draft_vocab_size,
-        inputs.vocab_cache_dir / f"{arch.vocab_size}-{arch.draft_vocab_size}.safetensors",
-    )
+    with world.main_first():  # and the vocab-map cache
+        vocab = cached_vocab_map(
+            inputs.token_samples,
+            arch.vocab_size,
+            arch.draft_vocab_size,
+            inputs.vocab_cache_dir / f"{arch.vocab_size}-{arch.draft_vocab_size}.safetensors",
+        )
     draft = Eagle3Draft(arch, recompute_mlp=config.draft.recompute_mlp)
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
     draft.load_embedding(target.input_embedding().detach().cpu())
@@ -168,6 +186,8 @@ def run(cfg: DictConfig) -> TrainResult:
     # the draft's own map: with model.draft_init it is the initial draft's, not this data's
     draft_ids_W = draft.draft_to_target_ids(torch.arange(len(draft.d2t), device=device))
     t2d_V = draft.t2d
+    module = TTTModule(draft, config.draft.ttt_length, attention, config.draft.compile)
+    module = shard_draft(module, world, config.parallel)
 
     trainer_cfg = config.trainer
     pad_id = (
@@ -189,6 +209,8 @@ def run(cfg: DictConfig) -> TrainResult:
             trainer_cfg.batch_size,
             pad_id,
             shuffle_seed,
+            shard=world.data_rank,
+            num_shards=world.dims.data_shards,
         )
 
     def train_loader(epoch: int) -> torch.utils.data.DataLoader:
@@ -197,18 +219,18 @@ def run(cfg: DictConfig) -> TrainResult:
     eval_loader = loader(eval_set, shuffle_seed=None) if eval_set is not None else None
     steps_per_epoch = math.ceil(len(train_loader(0)) / trainer_cfg.grad_accum_steps)
     max_num_steps = trainer_cfg.max_num_steps or trainer_cfg.num_epochs * steps_per_epoch
-    optimizer, scheduler = build_optimizer(config.optimizer, draft, max_num_steps)
+    optimizer, scheduler = build_optimizer(config.optimizer, module, max_num_steps)
 
     container = OmegaConf.to_container(cfg, resolve=True)
     config_yaml = OmegaConf.to_yaml(container)
     run_name = f"{config.model.name}-{config.data.name}-{output_dir.name}"
-    tracker = build_tracker(config.tracker, config.output_root, run_name)
+    tracker = build_tracker(config.tracker, config.output_root, run_name, world.rank)
     tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
     if inputs.report is not None:
         tracker.log_metrics(inputs.report.metrics("data"), step=0)
 
     trainer = Trainer(
-        draft=draft,
+        module=module,
         make_batch=lambda batch: teacher_batch(
             target, batch, draft_ids_W, t2d_V, config.target.teacher_chunk_size
         ),
@@ -218,11 +240,10 @@ def run(cfg: DictConfig) -> TrainResult:
         scheduler=scheduler,
         tracker=tracker,
         cfg=trainer_cfg,
-        draft_cfg=config.draft,
-        attention=attention,
+        weights_k=step_weights(config.draft.ttt_length, config.draft.step_weight_decay, device),
         max_grad_norm=config.optimizer.max_grad_norm,
         max_num_steps=max_num_steps,
-        device=device,
+        world=world,
         output_dir=output_dir,
         config_yaml=config_yaml,
         tau_probe=TauProbe(
@@ -235,18 +256,19 @@ def run(cfg: DictConfig) -> TrainResult:
     if checkpoint is not None:
         trainer.resume(checkpoint)
     result = trainer.train()
-    summary = {
-        "step": result.step,
-        "checkpoint": str(result.checkpoint),
-        "initial_eval": result.initial_eval,
-        "final_eval": result.final_eval,
-        "tau_by_step": result.tau_by_step,
-        "best_checkpoint": str(result.best_checkpoint) if result.best_checkpoint else None,
-    }
-    summary_path = output_dir / "summary.json"
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    tracker.log_artifact(summary_path)
-    print_summary(result, tracker)
+    if world.is_main:
+        summary = {
+            "step": result.step,
+            "checkpoint": str(result.checkpoint),
+            "initial_eval": result.initial_eval,
+            "final_eval": result.final_eval,
+            "tau_by_step": result.tau_by_step,
+            "best_checkpoint": str(result.best_checkpoint) if result.best_checkpoint else None,
+        }
+        summary_path = output_dir / "summary.json"
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        tracker.log_artifact(summary_path)
+        print_summary(result, tracker)
     tracker.close()
     return result
 

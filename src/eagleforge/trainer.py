@@ -19,19 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import load_checkpoint, save_checkpoint
-from eagleforge.draft.model import AttentionBackend, DraftConfig, Eagle3Draft
+from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
     TTTBatch,
     count_positions,
     loss_scales,
     simulated_acceptance_length,
-    step_weights,
-    ttt_forward,
 )
 from eagleforge.errors import ConfigError
+from eagleforge.parallel.dist import World
+from eagleforge.parallel.fsdp import TTTModule, full_draft_state, set_gradient_sync
 from eagleforge.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,27 @@ class StepSums:
         self.num_correct_k += correct_k.cpu()
         self.num_tokens += tokens
 
+    def summed_over(self, world: World) -> StepSums:
+        """The sums of every rank (one collective)."""
+        if not world.distributed:
+            return self
+        k = len(self.loss_sum_k)
+        packed = torch.cat(
+            [
+                self.loss_sum_k,
+                self.num_counted_k.double(),
+                self.num_correct_k.double(),
+                torch.tensor([float(self.num_tokens)], dtype=torch.float64),
+            ]
+        )
+        total = world.all_reduce_sum(packed)
+        return StepSums(
+            total[:k],
+            total[k : 2 * k].round().long(),
+            total[2 * k : 3 * k].round().long(),
+            int(total[-1].item()),
+        )
+
     def metrics(self, prefix: str, weights_k: torch.Tensor) -> dict[str, float]:
         counts = self.num_counted_k.clamp(min=1)
         loss_k = self.loss_sum_k / counts
@@ -174,7 +196,7 @@ class Trainer:
     def __init__(
         self,
         *,
-        draft: Eagle3Draft,
+        module: TTTModule,
         make_batch: Callable[[dict[str, torch.Tensor]], TTTBatch],
         train_loader: Callable[[int], torch.utils.data.DataLoader],
         eval_loader: torch.utils.data.DataLoader | None,
@@ -182,28 +204,27 @@ class Trainer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         tracker: Tracker,
         cfg: TrainerConfig,
-        draft_cfg: DraftConfig,
-        attention: AttentionBackend,
+        weights_k: torch.Tensor,
         max_grad_norm: float,
         max_num_steps: int,
-        device: torch.device,
+        world: World,
         output_dir: Path,
         config_yaml: str,
         tau_probe: Callable[[Eagle3Draft], float] | None = None,
     ) -> None:
-        self.draft, self.make_batch = draft, make_batch
+        self.module, self.make_batch = module, make_batch
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.optimizer, self.scheduler, self.tracker = optimizer, scheduler, tracker
-        self.cfg, self.ttt_length, self.attention = cfg, draft_cfg.ttt_length, attention
-        self.compile = draft_cfg.compile
-        self.weights_k = step_weights(draft_cfg.ttt_length, draft_cfg.step_weight_decay, device)
+        self.cfg, self.ttt_length, self.weights_k = cfg, module.ttt_length, weights_k
         self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
-        self.device, self.output_dir, self.config_yaml = device, output_dir, config_yaml
+        self.world, self.device = world, world.device
+        self.output_dir, self.config_yaml = output_dir, config_yaml
         self.step, self.epoch, self.batches_into_epoch = 0, 0, 0
         self.tau_probe = tau_probe if cfg.eval_tau_every_n_steps else None
+        self._replica: Eagle3Draft | None = None  # rank 0's whole draft for τ, when sharded
         self.stop = StopSignals()
         self.autocast = torch.autocast(
-            device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"
+            self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
         )
 
     def micro_batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -224,27 +245,35 @@ class Trainer:
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, RNG, step and data position."""
-        progress = load_checkpoint(checkpoint, self.draft, self.optimizer, self.scheduler)
+        progress = load_checkpoint(
+            checkpoint, self.module, self.optimizer, self.scheduler, self.world
+        )
         self.step, self.epoch = progress["step"], progress["epoch"]
         self.batches_into_epoch = progress["batches_into_epoch"]
+        shards, saved_shards = self.world.dims.data_shards, progress.get("data_shards", 1)
+        if saved_shards != shards:
+            # the same number of samples into the epoch, now dealt to another number of ranks
+            self.batches_into_epoch = self.batches_into_epoch * saved_shards // shards
+            log.warning(
+                "resuming a run saved with %d data shards on %d: the rest of epoch %d is dealt "
+                "differently, so the data order (and the loss trace) differs from the "
+                "uninterrupted run",
+                saved_shards,
+                shards,
+                self.epoch,
+            )
         log.info("resumed from %s at step %d (epoch %d)", checkpoint, self.step, self.epoch)
 
     def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
         batches = [self.make_batch(b) for b in raw]
-        global_counts_k = torch.stack([count_positions(b, self.ttt_length) for b in batches]).sum(0)
-        scale_k = loss_scales(global_counts_k, self.weights_k)
+        counts_k = torch.stack([count_positions(b, self.ttt_length) for b in batches]).sum(0)
+        scale_k = loss_scales(self.world.all_reduce_sum(counts_k), self.weights_k)
         sums = StepSums.zeros(self.ttt_length)
         self.optimizer.zero_grad(set_to_none=True)
-        for batch in batches:
+        for index, batch in enumerate(batches):
+            set_gradient_sync(self.module, index == len(batches) - 1)
             with self.autocast:
-                stats = ttt_forward(
-                    self.draft,
-                    batch,
-                    self.ttt_length,
-                    scale_k,
-                    attention=self.attention,
-                    compile=self.compile,
-                )
+                stats = self.module.stats(batch, scale_k)
             stats.loss.backward()
             sums.add(
                 stats.loss_sum_k,
@@ -252,36 +281,31 @@ class Trainer:
                 stats.num_correct_k,
                 int(batch.valid_BT.sum()),
             )
-        params = [p for p in self.draft.parameters() if p.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.optimizer.step()
         self.scheduler.step()
-        return sums, grad_norm
+        return sums.summed_over(self.world), grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         assert self.eval_loader is not None
-        self.draft.eval()
+        self.module.eval()
         sums = StepSums.zeros(self.ttt_length)
         for raw in self.eval_loader:
             batch = self.make_batch({k: v.to(self.device) for k, v in raw.items()})
             with self.autocast:
-                stats = ttt_forward(
-                    self.draft,
-                    batch,
-                    self.ttt_length,
-                    attention=self.attention,
-                    compile=self.compile,
-                )
+                stats = self.module.stats(batch)
             sums.add(
                 stats.loss_sum_k,
                 stats.num_counted_k,
                 stats.num_correct_k,
                 int(batch.valid_BT.sum()),
             )
-        self.draft.train()
-        return sums.metrics("eval", self.weights_k)
+        self.module.train()
+        return sums.summed_over(self.world).metrics("eval", self.weights_k)
 
     def save(self, name: str | None = None) -> Path:
         progress = {
@@ -291,13 +315,32 @@ class Trainer:
         }
         path = self.output_dir / "checkpoints" / (name or f"step_{self.step:08d}")
         saved = save_checkpoint(
-            path, self.draft, self.optimizer, self.scheduler, progress, self.config_yaml
+            path,
+            self.module,
+            self.optimizer,
+            self.scheduler,
+            progress,
+            self.config_yaml,
+            self.world,
         )
-        if name is None and self.cfg.keep_last_n is not None:
+        if name is None and self.cfg.keep_last_n is not None and self.world.is_main:
             steps = sorted(path.parent.glob("step_*"))
             for old in steps[: -self.cfg.keep_last_n]:
                 shutil.rmtree(old)
         return saved
+
+    def whole_draft(self) -> Eagle3Draft | None:
+        """The draft with whole parameters on rank 0 (None elsewhere): the module's own draft
+        in a one-process run, else a replica refreshed from the shards (a collective)."""
+        if not self.world.distributed:
+            return self.module.draft
+        tensors = full_draft_state(self.module)
+        if not self.world.is_main:
+            return None
+        if self._replica is None:
+            self._replica = Eagle3Draft(self.module.draft.arch).to(self.device)
+        self._replica.load_state_dict(tensors)
+        return self._replica
 
     def _eval_and_log(self, result: TrainResult) -> dict[str, float]:
         metrics = self.evaluate()
@@ -308,7 +351,8 @@ class Trainer:
     def _measure_tau(self, result: TrainResult) -> None:
         """Real τ of the current draft; a new best is saved as checkpoints/best."""
         assert self.tau_probe is not None
-        tau = self.tau_probe(self.draft)
+        draft = self.whole_draft()
+        tau = self.world.broadcast_float(self.tau_probe(draft) if draft is not None else 0.0)
         best = max(result.tau_by_step.values(), default=float("-inf"))
         result.tau_by_step[self.step] = tau
         metrics = {"eval/tau": tau}
@@ -336,7 +380,7 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         cfg, result = self.cfg, TrainResult(step=self.step)
-        self.draft.train()
+        self.module.train()
         if self.eval_loader is not None and cfg.eval_at_start and self.step == 0:
             result.initial_eval = self._eval_and_log(result)
         batches = self.micro_batches()
@@ -346,7 +390,7 @@ class Trainer:
             initial=self.step,
             desc="train",
             unit="step",
-            disable=not cfg.progress_bar,
+            disable=not (cfg.progress_bar and self.world.is_main),
             dynamic_ncols=True,
         )
         while self.step < self.max_num_steps:
@@ -386,7 +430,8 @@ class Trainer:
                 self.step % cfg.eval_tau_every_n_steps == 0 or self.step == self.max_num_steps
             ):
                 self._measure_tau(result)
-            if self.stop.signal is not None:
+            if self.world.any(self.stop.signal is not None):  # all ranks stop together
+                self.stop.signal = self.stop.signal or signal.SIGTERM
                 bar.close()
                 return self._preempted(result)
         bar.close()

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,14 +59,44 @@ class World:
         return None if self.mesh is None else self.mesh.get_group(axis)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over every rank, in place (on the collective's device); returns the tensor."""
-        if self.mesh is not None:
-            dist.all_reduce(tensor)
-        return tensor
+        """Sum over every rank; a new tensor on ``tensor``'s device (the input when alone)."""
+        if self.mesh is None:
+            return tensor
+        on_device = tensor.to(self.device, copy=True)
+        dist.all_reduce(on_device)
+        return on_device.to(tensor.device)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on some rank."""
+        return bool(self.all_reduce_sum(torch.tensor([int(flag)])).item())
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if self.mesh is None:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_float(self, value: float) -> float:
+        """Rank 0's value on every rank."""
+        if self.mesh is None:
+            return value
+        tensor = torch.tensor([value if self.is_main else 0.0], dtype=torch.float64)
+        return float(self.all_reduce_sum(tensor).item())
 
     def barrier(self) -> None:
         if self.mesh is not None:
             dist.barrier()
+
+    @contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (filling caches), the others after it, from the caches."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
 
 
 def init_distributed(cfg: ParallelConfig) -> World:

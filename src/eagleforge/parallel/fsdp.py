@@ -1,0 +1,139 @@
+"""The draft as one trainable module, data-parallel over every rank with FSDP2.
+
+``TTTModule`` runs the whole unrolled TTT inside ``forward``, so FSDP2's hooks gather the
+draft's parameters once around all k steps (the loss reads ``lm_head.weight`` directly, not
+through a submodule call) and reduce-scatter the gradients after its backward. In a
+one-process run the same module runs unwrapped.
+
+State dicts go through ``torch.distributed.checkpoint.state_dict`` in their *full* form, keyed
+by parameter name: the same files serve 1 process or N ranks, so a run resumes with another
+world size by construction. Drafts are small (one layer), so gathering them is cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from eagleforge.draft.model import AttentionBackend, Eagle3Draft
+from eagleforge.draft.ttt import TTTBatch, TTTStats, ttt_forward
+from eagleforge.parallel import ParallelConfig
+from eagleforge.parallel.dist import World
+
+# Names in this module's state dicts carry this prefix in front of the draft's own names.
+PREFIX = "draft."
+
+
+class TTTModule(nn.Module):
+    """The draft with the unrolled training-time test as its forward."""
+
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        ttt_length: int,
+        attention: AttentionBackend,
+        compile: bool = False,
+        **ttt_options: Any,
+    ) -> None:
+        super().__init__()
+        self.draft = draft
+        self.ttt_length, self.attention, self.use_compile = ttt_length, attention, compile
+        self.ttt_options = ttt_options
+
+    def forward(
+        self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # A tuple of tensors, not TTTStats: FSDP2 hooks the backward through the outputs it
+        # can flatten.
+        stats = ttt_forward(
+            self.draft,
+            batch,
+            self.ttt_length,
+            loss_scale_k,
+            attention=self.attention,
+            compile=self.use_compile,
+            **self.ttt_options,
+        )
+        return stats.loss, stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k
+
+    def stats(self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
+        return TTTStats(*self(batch, loss_scale_k))
+
+
+def shard_draft(module: TTTModule, world: World, cfg: ParallelConfig) -> TTTModule:
+    """fully_shard the draft over every rank (a no-op in a one-process run).
+
+    Gradients are summed, not averaged, over ranks: the loss is already normalised by the
+    global count of counted positions. On CUDA with ``parallel.mixed_precision`` parameters
+    are gathered in bf16 and gradients reduced in fp32.
+    """
+    if world.mesh is None:
+        return module
+    mixed = cfg.mixed_precision and world.device.type == "cuda"
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
+    flat = world.mesh._flatten("draft_dp") if world.mesh.ndim > 1 else world.mesh
+    fully_shard(
+        module,
+        mesh=flat,
+        reshard_after_forward=cfg.reshard_after_forward,
+        mp_policy=policy,
+    )
+    assert isinstance(module, FSDPModule)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return module
+
+
+def set_gradient_sync(module: nn.Module, sync: bool) -> None:
+    """Accumulating micro-batches: reduce gradients only in the step's last backward."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(sync)
+
+
+def full_draft_state(module: TTTModule) -> dict[str, torch.Tensor]:
+    """Every tensor of the draft (frozen embedding and vocab map included), whole, on CPU,
+    keyed by the draft's names. A collective under FSDP: every rank must call it."""
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return {
+        k.removeprefix(PREFIX): v.detach().cpu()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def load_draft_state(module: TTTModule, tensors: dict[str, torch.Tensor]) -> None:
+    """Load whole tensors (the draft's names; the frozen embedding may be absent) on every rank."""
+    set_model_state_dict(
+        module,
+        {f"{PREFIX}{k}": v for k, v in tensors.items()},
+        options=StateDictOptions(full_state_dict=True, strict=False),
+    )
+
+
+def optimizer_state(module: TTTModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's whole state keyed by parameter name (a collective under FSDP)."""
+    return get_optimizer_state_dict(
+        module, optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+
+
+def load_optimizer_state(
+    module: TTTModule, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    set_optimizer_state_dict(
+        module, optimizer, state, options=StateDictOptions(full_state_dict=True)
+    )
