@@ -12,7 +12,7 @@ import torch
 from ranks import run_ranks
 
 from eagleforge.draft.attention import eager_ttt_attention
-from eagleforge.draft.model import AttentionBackend, DraftArchitecture
+from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig
 from eagleforge.draft.ttt import (
     Teacher,
     TTTBatch,
@@ -23,7 +23,7 @@ from eagleforge.draft.ttt import (
 )
 from eagleforge.errors import ConfigError
 from eagleforge.parallel import ParallelConfig
-from eagleforge.parallel.dist import init_distributed
+from eagleforge.parallel.dist import World, init_distributed
 from eagleforge.parallel.usp import (
     SequenceParallel,
     check_heads,
@@ -42,10 +42,6 @@ BOTH = {"sp_ulysses": 2, "sp_ring": 2}
 TTT_LENGTH = 3
 
 
-def _sequence_parallel(overrides: dict) -> SequenceParallel:
-    return SequenceParallel.from_world(init_distributed(ParallelConfig(device="cpu", **overrides)))
-
-
 # --- Attention ---------------------------------------------------------------------------------
 
 # Row 1 is padded after 8 of 12 positions; packed: row 0 holds three documents, row 1 two.
@@ -53,8 +49,7 @@ VALID = torch.tensor([[True] * 12, [True] * 8 + [False] * 4])
 DOCUMENTS = torch.tensor([[0] * 3 + [1] * 5 + [2] * 4, [0] * 5 + [1] * 3 + [2] * 4])
 
 
-def _attention_matches_eager(rank: int, overrides: dict) -> None:
-    sp = _sequence_parallel(overrides)
+def _attention_matches_eager(sp: SequenceParallel) -> None:
     seq = VALID.shape[1]
     chunk = sp.chunk_length(seq)
     assert chunk * sp.size == seq
@@ -88,19 +83,14 @@ def _attention_matches_eager(rank: int, overrides: dict) -> None:
                 torch.testing.assert_close(part.grad, x.grad[:, :, here], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [ULYSSES, RING], ids=["ulysses2", "ring2"])
-def test_attention_and_its_gradients_match_eager(overrides: dict) -> None:
-    """Each rank's chunk of the output and of the q/k/v gradients equals eager attention on the
-    whole sequence (padding, packed documents, GQA with kv heads split or repeated)."""
-    run_ranks(_attention_matches_eager, 2, overrides)
-
-
-def test_heads_that_do_not_split_name_the_field() -> None:
+def test_configs_that_cannot_work_name_the_field() -> None:
     with pytest.raises(ConfigError, match="parallel.sp_ulysses=4 must divide the draft's 6"):
         check_heads(6, 2, 4)
     with pytest.raises(ConfigError, match="6 key/value heads"):
         check_heads(12, 6, 4)
     check_heads(4, 1, 2)
+    with pytest.raises(ConfigError, match="draft.compile=true does not combine"):
+        DraftConfig(attention=AttentionBackend.usp, compile=True)
 
 
 # --- The unrolled TTT --------------------------------------------------------------------------
@@ -154,8 +144,7 @@ def _batch(
     )
 
 
-def _ttt_matches_single_process(rank: int, overrides: dict) -> None:
-    world = init_distributed(ParallelConfig(device="cpu", **overrides))
+def _ttt_matches_single_process(world: World) -> None:
     sp = SequenceParallel.from_world(world)
     arch = tiny_arch()
     batches = {
@@ -175,6 +164,8 @@ def _ttt_matches_single_process(rank: int, overrides: dict) -> None:
         chunk = shard_sequence(batch, sp, TTT_LENGTH)
         stats = ttt_forward(parted, chunk, TTT_LENGTH, scale_k, AttentionBackend.usp, sp=sp)
         stats.loss.backward()
+        if name == "early_loss_only" and sp.size > 1 and sp.chunk_index == sp.size - 1:
+            assert int(stats.num_counted_k.sum()) == 0
         summed = [
             world.all_reduce_sum(x.detach().clone())
             for x in (
@@ -206,23 +197,27 @@ def _ttt_matches_single_process(rank: int, overrides: dict) -> None:
     assert num_correct > 0  # the correct counts were compared, not only zeros
 
 
-@pytest.mark.parametrize("overrides", [ULYSSES, RING], ids=["ulysses2", "ring2"])
-def test_ttt_summed_over_ranks_matches_one_process(overrides: dict) -> None:
-    """Per-step loss sums, counts, correct counts and the draft's gradients, summed over the sp
-    ranks, equal single-process eager TTT (padding, a packed row, a rank that counts nothing)."""
-    run_ranks(_ttt_matches_single_process, 2, overrides)
+def _usp_matches_one_process(rank: int, overrides: dict) -> None:
+    world = init_distributed(ParallelConfig(device="cpu", **overrides))
+    _attention_matches_eager(SequenceParallel.from_world(world))
+    _ttt_matches_single_process(world)
 
 
-def _both(rank: int, overrides: dict) -> None:
-    _attention_matches_eager(rank, overrides)
-    _ttt_matches_single_process(rank, overrides)
-
-
-def test_ulysses_and_ring_together_on_four_ranks() -> None:
-    """2 ulysses x 2 ring ranks: attention and TTT as above."""
-    run_ranks(_both, 4, BOTH)
+@pytest.mark.parametrize(
+    ("num_ranks", "overrides"),
+    [(2, ULYSSES), (2, RING), (4, BOTH)],
+    ids=["ulysses2", "ring2", "ulysses2xring2"],
+)
+def test_usp_matches_one_process(num_ranks: int, overrides: dict) -> None:
+    """Attention: each rank's chunk of the output and of the q/k/v gradients equals eager
+    attention on the whole sequence (padding, packed documents, GQA with kv heads split or
+    repeated). TTT: per-step loss sums, counts, correct counts and the draft's gradients, summed
+    over the ranks, equal single-process eager TTT (padding, a sequence length sp does not
+    divide, a packed row, ranks that count nothing)."""
+    run_ranks(_usp_matches_one_process, num_ranks, overrides)
 
 
 def test_one_process_usp_is_eager() -> None:
-    """Without other ranks (the default SequenceParallel) usp is plain attention."""
-    _attention_matches_eager(0, {})
+    """Without other ranks (the default SequenceParallel) usp computes what eager does."""
+    _attention_matches_eager(SequenceParallel())
+    _ttt_matches_single_process(init_distributed(ParallelConfig(device="cpu")))

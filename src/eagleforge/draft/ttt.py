@@ -191,9 +191,12 @@ def ttt_forward(
     attention_valid = None if bool(valid[:, :span].all()) else valid[:, :span]  # None: no padding
     attend: AttentionBackend | AttentionFn = attention
     if attention == AttentionBackend.usp:
-        sp = sp or SequenceParallel()
+        sp = sp if sp is not None else SequenceParallel()
         if sp.size > 1 and batch.halo < halo_length(ttt_length):
-            raise ValueError("attention=usp takes this rank's chunk: shard_sequence(batch, sp, k)")
+            raise ValueError(
+                "attention=usp over several ranks takes this rank's chunk of the batch: "
+                "pass shard_sequence(batch, sp, ttt_length)"
+            )
         attend = USPAttention(sp)
     hidden_BTH = draft.fc(batch.aux_BTA[:, :span].to(draft.fc.weight.dtype))
     keys: list[torch.Tensor] = []

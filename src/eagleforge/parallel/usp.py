@@ -217,12 +217,26 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> 
 # --- Ring attention over the step-0 keys -----------------------------------------------------
 
 
+class _Transfer:
+    """A ring pass in flight: ``wait()`` gives the tensor received from the previous rank."""
+
+    def __init__(self, works: list[Any], received: torch.Tensor) -> None:
+        self.works, self.received = works, received
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
 class _RingKernel:
     """Step-0 attention of this rank's ring chunk of queries over the step-0 keys of its own
     and every earlier ring chunk, in the kernel interface of ``_MergedTTTAttention``: forward
     gives the output and log-sum-exp, backward takes the *merged* output and log-sum-exp.
 
     ``valid_RBL`` and ``document_ids_RBL`` (or None) describe every ring chunk's positions.
+    At turn j of the ring a rank holds ring chunk ``own - j`` (mod R) and sends it on to the
+    next rank; chunks after its own are skipped (causal).
     """
 
     def __init__(
@@ -235,62 +249,28 @@ class _RingKernel:
         self.valid_RBL = valid_RBL
         self.document_ids_RBL = document_ids_RBL
 
-    def _mask(self, key_chunk: int) -> torch.Tensor:
-        """Bool [B, 1, 1, L, S]: which keys of ring chunk ``key_chunk`` each query may see."""
-        own = self.sp.ring_rank
-        query_valid_BL = self.valid_RBL[own]
-        allowed_BLS = self.valid_RBL[key_chunk].unsqueeze(1).expand(-1, query_valid_BL.shape[1], -1)
-        if key_chunk == own:
-            allowed_BLS = allowed_BLS.tril()
-        if self.document_ids_RBL is not None:
-            same_document = self.document_ids_RBL[own].unsqueeze(2) == self.document_ids_RBL[
-                key_chunk
-            ].unsqueeze(1)
-            allowed_BLS = allowed_BLS & (same_document | ~query_valid_BL.unsqueeze(2))
-        return allowed_BLS[:, None, None]
-
-    def _scores(self, q_BKGLD: torch.Tensor, k_BKSD: torch.Tensor, key_chunk: int) -> torch.Tensor:
-        scale = q_BKGLD.shape[-1] ** -0.5
-        scores = (q_BKGLD @ k_BKSD.float().unsqueeze(2).transpose(-1, -2)) * scale
-        return scores.masked_fill(~self._mask(key_chunk), float("-inf"))
-
-    def _pass_on(self, x: torch.Tensor, tag: int) -> tuple[list[Any], torch.Tensor]:
-        """Start sending x to the next ring rank and receiving the previous rank's into a new
-        tensor; wait on the returned works before reading it."""
-        received = torch.empty_like(x)
-        size, rank, group = self.sp.ring_size, self.sp.ring_rank, self.sp.ring_group
-        ops = [
-            dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size, tag=tag),
-            dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size, tag=tag),
-        ]
-        return dist.batch_isend_irecv(ops), received
-
     def forward(
         self, q_BNLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         size, own = self.sp.ring_size, self.sp.ring_rank
-        kv_heads = k_BKLD.shape[1]
         with torch.autocast(q_BNLD.device.type, enabled=False):
-            q_BKGLD = _grouped(q_BNLD.float(), kv_heads)
+            q_BKGLD = _grouped(q_BNLD.float(), k_BKLD.shape[1])
             out_BKGLD = torch.zeros_like(q_BKGLD)
             lse_BKGL = torch.full(q_BKGLD.shape[:-1], float("-inf"), device=q_BNLD.device)
             kv_2BKSD = torch.stack([k_BKLD, v_BKLD])
-            # At turn j this rank holds ring chunk own - j; chunks after its own are skipped.
             for turn in range(size):
-                works: list[Any] = []
-                if turn < size - 1:
-                    works, incoming = self._pass_on(kv_2BKSD, tag=0)
                 key_chunk = (own - turn) % size
+                sending = self._send_on(kv_2BKSD, tag=0) if turn < size - 1 else None
                 if key_chunk <= own:
-                    scores = self._scores(q_BKGLD, kv_2BKSD[0], key_chunk)
-                    block_lse = torch.logsumexp(scores, dim=-1)
-                    probs = torch.exp(scores - _finite(block_lse).unsqueeze(-1))
-                    block_out = probs @ kv_2BKSD[1].float().unsqueeze(2)
-                    out_BKGLD, lse_BKGL = _merge(out_BKGLD, lse_BKGL, block_out, block_lse)
-                for work in works:
-                    work.wait()
-                if works:
-                    kv_2BKSD = incoming
+                    scores = self._scores(q_BKGLD, kv_2BKSD[0].float(), key_chunk)
+                    block_lse_BKGL = torch.logsumexp(scores, dim=-1)
+                    probs = torch.exp(scores - _finite(block_lse_BKGL).unsqueeze(-1))
+                    block_out_BKGLD = probs @ kv_2BKSD[1].float().unsqueeze(2)
+                    out_BKGLD, lse_BKGL = _merge(
+                        out_BKGLD, lse_BKGL, block_out_BKGLD, block_lse_BKGL
+                    )
+                if sending is not None:
+                    kv_2BKSD = sending.wait()
         return out_BKGLD.flatten(1, 2).to(q_BNLD.dtype), lse_BKGL.flatten(1, 2)
 
     def backward(
@@ -304,6 +284,7 @@ class _RingKernel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         size, own = self.sp.ring_size, self.sp.ring_rank
         kv_heads = k_BKLD.shape[1]
+        scale = q_BNLD.shape[-1] ** -0.5
         with torch.autocast(q_BNLD.device.type, enabled=False):
             q_BKGLD = _grouped(q_BNLD.float(), kv_heads)
             grad_BKGLD = _grouped(grad_out_BNLD.float(), kv_heads)
@@ -311,39 +292,59 @@ class _RingKernel:
             delta_BKGL = (grad_BKGLD * _grouped(out_BNLD.float(), kv_heads)).sum(-1)
             dq_BKGLD = torch.zeros_like(q_BKGLD)
             kv_2BKSD = torch.stack([k_BKLD, v_BKLD])
-            # The gradients of the chunk this rank holds travel with it; one last pass after
-            # the loop brings them home (turn j holds chunk own - j, the last one own + 1).
             dkv_2BKSD = torch.zeros(kv_2BKSD.shape, device=q_BNLD.device)
             for turn in range(size):
-                works: list[Any] = []
-                if turn < size - 1:
-                    works, incoming = self._pass_on(kv_2BKSD, tag=0)
                 key_chunk = (own - turn) % size
+                sending = self._send_on(kv_2BKSD, tag=0) if turn < size - 1 else None
                 if key_chunk <= own:
                     k_BKSD, v_BKSD = kv_2BKSD[0].float(), kv_2BKSD[1].float()
-                    probs = torch.exp(
-                        self._scores(q_BKGLD, k_BKSD, key_chunk) - lse_BKGL.unsqueeze(-1)
-                    )
-                    dkv_2BKSD[1] += (probs.transpose(-1, -2) @ grad_BKGLD).sum(2)
+                    scores = self._scores(q_BKGLD, k_BKSD, key_chunk)
+                    probs = torch.exp(scores - lse_BKGL.unsqueeze(-1))
                     dprobs = grad_BKGLD @ v_BKSD.unsqueeze(2).transpose(-1, -2)
-                    dscores = (
-                        probs * (dprobs - delta_BKGL.unsqueeze(-1)) * q_BKGLD.shape[-1] ** -0.5
-                    )
+                    dscores = probs * (dprobs - delta_BKGL.unsqueeze(-1)) * scale
                     dq_BKGLD += dscores @ k_BKSD.unsqueeze(2)
                     dkv_2BKSD[0] += (dscores.transpose(-1, -2) @ q_BKGLD).sum(2)
+                    dkv_2BKSD[1] += (probs.transpose(-1, -2) @ grad_BKGLD).sum(2)
                 if size > 1:
-                    grad_works, dkv_2BKSD = self._pass_on(dkv_2BKSD, tag=1)
-                    for work in grad_works:
-                        work.wait()
-                for work in works:
-                    work.wait()
-                if works:
-                    kv_2BKSD = incoming
+                    # A chunk's gradients travel with it, sent on once this rank's share is
+                    # added; the last turn's pass brings this rank's own chunk's home.
+                    dkv_2BKSD = self._send_on(dkv_2BKSD, tag=1).wait()
+                if sending is not None:
+                    kv_2BKSD = sending.wait()
         return (
             dq_BKGLD.flatten(1, 2).to(q_BNLD.dtype),
             dkv_2BKSD[0].to(k_BKLD.dtype),
             dkv_2BKSD[1].to(v_BKLD.dtype),
         )
+
+    def _mask(self, key_chunk: int) -> torch.Tensor:
+        """Bool [B, 1, 1, L, S]: which keys of ring chunk ``key_chunk`` each query may see."""
+        own = self.sp.ring_rank
+        query_valid_BL = self.valid_RBL[own]
+        allowed_BLS = self.valid_RBL[key_chunk].unsqueeze(1).expand(-1, query_valid_BL.shape[1], -1)
+        if key_chunk == own:
+            allowed_BLS = allowed_BLS.tril()
+        if self.document_ids_RBL is not None:
+            query_document_BL1 = self.document_ids_RBL[own].unsqueeze(2)
+            key_document_B1S = self.document_ids_RBL[key_chunk].unsqueeze(1)
+            same_document = query_document_BL1 == key_document_B1S
+            allowed_BLS = allowed_BLS & (same_document | ~query_valid_BL.unsqueeze(2))
+        return allowed_BLS[:, None, None]
+
+    def _scores(self, q_BKGLD: torch.Tensor, k_BKSD: torch.Tensor, key_chunk: int) -> torch.Tensor:
+        """Masked scaled scores [B, K, G, L, S] (fp32) of the queries against one key chunk."""
+        scores = (q_BKGLD @ k_BKSD.unsqueeze(2).transpose(-1, -2)) * q_BKGLD.shape[-1] ** -0.5
+        return scores.masked_fill(~self._mask(key_chunk), float("-inf"))
+
+    def _send_on(self, x: torch.Tensor, tag: int) -> _Transfer:
+        """Start sending x to the next ring rank and receiving the previous rank's."""
+        received = torch.empty_like(x)
+        size, rank, group = self.sp.ring_size, self.sp.ring_rank, self.sp.ring_group
+        ops = [
+            dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size, tag=tag),
+            dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size, tag=tag),
+        ]
+        return _Transfer(dist.batch_isend_irecv(ops), received)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -356,11 +357,8 @@ def _merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax-attention results over two disjoint key sets -> the result over their union."""
     lse = torch.logaddexp(lse_a, lse_b)
-    safe = _finite(lse)
-    out = out_a * torch.exp(lse_a - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(
-        -1
-    )
-    return out, lse
+    weight_a, weight_b = (torch.exp(x - _finite(lse)).unsqueeze(-1) for x in (lse_a, lse_b))
+    return out_a * weight_a + out_b * weight_b, lse
 
 
 # --- The backend -----------------------------------------------------------------------------
