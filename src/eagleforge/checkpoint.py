@@ -10,6 +10,7 @@ any number of ranks.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import shutil
@@ -52,6 +53,17 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def every_rank_rng_state(world: World) -> list[dict[str, Any]]:
+    """Each rank's ``rng_state()``, in rank order (a collective). The states travel as
+    torch.save bytes: pickling tensors through all_gather_object breaks on CPU storages."""
+    blob = io.BytesIO()
+    torch.save(rng_state(), blob)
+    return [
+        torch.load(io.BytesIO(data), weights_only=True)
+        for data in world.gather_objects(blob.getvalue())
+    ]
+
+
 def save_checkpoint(
     checkpoint_dir: str | Path,
     module: TTTModule,
@@ -71,7 +83,7 @@ def save_checkpoint(
     state = {
         "optimizer": optimizer_state(module, optimizer),
         "scheduler": scheduler.state_dict(),
-        "rng": world.gather_objects(rng_state()),
+        "rng": every_rank_rng_state(world),
         "progress": dict(progress, data_shards=world.dims.data_shards),
     }
     error = None
