@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from eagleforge.data.dataset import DataConfig
 from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
-from eagleforge.draft.model import DraftConfig
+from eagleforge.draft.model import AttentionBackend, DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import ParallelConfig
@@ -80,7 +80,7 @@ class EagleForgeConfig:
                 f"parallel.tp={parallel.tp}; set it to 0 and run eagleforge.evaluate on the "
                 "saved checkpoints."
             )
-        usp = self.draft.attention.value == "usp"
+        usp = self.draft.attention == AttentionBackend.usp
         if parallel.sp > 1 and not (usp and offline):
             raise ConfigError(
                 f"parallel.sp_ulysses x sp_ring = {parallel.sp} splits sequences, which needs "

@@ -29,14 +29,15 @@ from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_t
 from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets, make_loader
 from eagleforge.data.features import FeatureDataset
 from eagleforge.data.vocab import cached_vocab_map
-from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import step_weights
+from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
+from eagleforge.draft.ttt import TTTBatch, step_weights
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import load_sglang
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.fsdp import TTTModule, shard_draft
 from eagleforge.parallel.tp import tp_axis
+from eagleforge.parallel.usp import SequenceParallel, check_heads, shard_sequence
 from eagleforge.prepare import expected_manifest
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.target.head import HeadOnlyTarget
@@ -186,8 +187,18 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     # the draft's own map: with model.draft_init it is the initial draft's, not this data's
     draft_ids_W = draft.draft_to_target_ids(torch.arange(len(draft.d2t), device=device))
     t2d_V = draft.t2d
-    module = TTTModule(draft, config.draft.ttt_length, attention, config.draft.compile)
+    ttt_length = config.draft.ttt_length
+    sp = SequenceParallel.from_world(world)
+    if attention == AttentionBackend.usp:
+        check_heads(arch.num_attention_heads, arch.num_key_value_heads, sp.ulysses_size)
+    module = TTTModule(draft, ttt_length, attention, config.draft.compile, sp=sp)
     module = shard_draft(module, world, config.parallel)
+
+    def make_batch(batch: dict[str, torch.Tensor]) -> TTTBatch:
+        ttt_batch = teacher_batch(
+            target, batch, draft_ids_W, t2d_V, config.target.teacher_chunk_size
+        )
+        return shard_sequence(ttt_batch, sp, ttt_length) if sp.size > 1 else ttt_batch
 
     trainer_cfg = config.trainer
     pad_id = (
@@ -231,9 +242,7 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
 
     trainer = Trainer(
         module=module,
-        make_batch=lambda batch: teacher_batch(
-            target, batch, draft_ids_W, t2d_V, config.target.teacher_chunk_size
-        ),
+        make_batch=make_batch,
         train_loader=train_loader,
         eval_loader=eval_loader,
         optimizer=optimizer,

@@ -279,7 +279,7 @@ class Trainer:
                 stats.loss_sum_k,
                 stats.num_counted_k,
                 stats.num_correct_k,
-                int(batch.valid_BT.sum()),
+                int(batch.valid_BT[:, : batch.computed_length].sum()),
             )
         params = [p for p in self.module.parameters() if p.requires_grad]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
@@ -302,7 +302,7 @@ class Trainer:
                 stats.loss_sum_k,
                 stats.num_counted_k,
                 stats.num_correct_k,
-                int(batch.valid_BT.sum()),
+                int(batch.valid_BT[:, : batch.computed_length].sum()),
             )
         self.module.train()
         return sums.summed_over(self.world).metrics("eval", self.weights_k)
