@@ -152,7 +152,8 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     attention = config.draft.attention_for(device)
     seed_everything(config.seed)
     cache_dir = config.resolved_cache_dir()
-    output_dir = Path(config.output_dir)
+    # Each rank resolved Hydra's timestamped run dir itself: rank 0's is the run's.
+    output_dir = Path(world.gather_objects(config.output_dir)[0])
     output_dir.mkdir(parents=True, exist_ok=True)
 
     with world.main_first():  # rank 0 fills the caches (converted model)
