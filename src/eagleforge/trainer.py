@@ -1,9 +1,12 @@
 """The Trainer: takes built components and runs the training loop.
 
 Each optimizer step runs the target on ``grad_accum_steps`` micro-batches, counts the loss
-positions of the whole step, then runs the unrolled TTT and backward per micro-batch with the
-loss normalised by that global count -- so the result does not depend on padding or on how
-the step is split. Eval, checkpoints and metrics happen on the step boundaries configured.
+positions of the whole step on every rank (one all-reduce), then runs the unrolled TTT and
+backward per micro-batch with the loss normalised by that global count -- so the result does
+not depend on padding, on how the step is split into micro-batches, or on the number of
+ranks. Gradients are reduced once, after the step's last backward. Eval, checkpoints and
+metrics happen on the step boundaries configured; every rank takes part in them, rank 0 logs
+and writes.
 """
 
 from __future__ import annotations

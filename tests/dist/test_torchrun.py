@@ -22,6 +22,9 @@ def test_torchrun_two_processes_train_and_save(tmp_path: Path) -> None:
         "+model=tiny", "data=chitchat", "data.max_num_samples=30", "data.num_eval_samples=4",
         "data.max_length=64", "trainer.max_num_steps=2", "trainer.progress_bar=false",
         "parallel.device=cpu", "parallel.num_threads=1", "tracker=mlflow",
+        # real τ on rank 0, from a whole copy of the sharded draft
+        "trainer.eval_tau_every_n_steps=2", "trainer.eval_tau_prompts=1",
+        "eval.max_new_tokens=8",
         f"output_root={tmp_path}",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -32,6 +35,8 @@ def test_torchrun_two_processes_train_and_save(tmp_path: Path) -> None:
     assert len(summaries) == 1  # rank 0 reports once
     summary = json.loads(summaries[0].read_text())
     assert summary["step"] == 2 and Path(summary["checkpoint"]).is_dir()
+    assert list(summary["tau_by_step"]) == ["2"] and summary["tau_by_step"]["2"] >= 1.0
+    assert Path(summary["best_checkpoint"]).is_dir()
     assert done.stdout.count("Trained 2 steps.") == 1
 
     import mlflow
