@@ -27,6 +27,8 @@ def _overrides_for(group: str, choice: str) -> list[str]:
         if group == "data" and choice != "chitchat"
         else []
     )
+    if (group, choice) == ("parallel", "usp"):  # sequence parallelism trains offline
+        extra.append("data.features=/tmp/unused-features")
     return [*picks.values(), *extra, "output_dir=/tmp/unused"]
 
 
@@ -100,3 +102,20 @@ def test_enum_error_lists_allowed_values() -> None:
 def test_unknown_field_is_rejected() -> None:
     with pytest.raises(ConfigCompositionException):
         compose_config([*BASE, "trainer.num_epoch=3"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["parallel.tp=2", "data.features=/tmp/f"], "parallel.tp=2 splits the target"),
+        (["parallel.tp=2", "trainer.eval_tau_every_n_steps=5"], "trainer.eval_tau_every_n_steps"),
+        (["parallel.sp_ring=2"], "needs draft.attention=usp and offline"),
+        (["draft.attention=usp", "data.features=/tmp/f"], "draft.attention=usp needs parallel"),
+    ],
+)
+def test_parallel_combinations_that_cannot_work_name_the_fields(
+    overrides: list[str], named: str
+) -> None:
+    base = ["+model=tiny", "data=chitchat", "output_dir=/tmp/unused"]
+    with pytest.raises(ConfigError, match=named):
+        to_typed(compose_config([*base, *overrides]))

@@ -29,11 +29,6 @@ class DeviceKind(str, Enum):
     cuda = "cuda"
 
 
-class DataParallel(str, Enum):
-    fsdp = "fsdp"  # FSDP2 fully_shard: parameters, gradients and optimizer state sharded
-    ddp = "ddp"  # replicated parameters, gradients all-reduced (FSDP2 replicate)
-
-
 @dataclass
 class ParallelConfig:
     """The `parallel` config section."""
@@ -50,9 +45,8 @@ class ParallelConfig:
     # sp_ulysses ranks (all-to-all) and the sequence over sp_ring ranks (ring attention).
     sp_ulysses: int = 1
     sp_ring: int = 1
-    # How the draft is replicated over the ranks.
-    data_parallel: DataParallel = DataParallel.fsdp
-    # FSDP2: free the gathered parameters after forward (less memory, one more all-gather).
+    # The draft is sharded over every rank with FSDP2 (parameters, gradients, optimizer state).
+    # Free the gathered parameters after forward (less memory, one more all-gather).
     reshard_after_forward: bool = True
     # CUDA only: keep bf16 parameter copies for compute, reduce gradients in fp32.
     mixed_precision: bool = True
