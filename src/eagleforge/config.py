@@ -20,6 +20,7 @@ from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
 from eagleforge.draft.model import AttentionBackend, DraftConfig
 from eagleforge.errors import ConfigError
+from eagleforge.formats import ExportConfig
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import ParallelConfig
 from eagleforge.speculative.decode import EvalConfig
@@ -57,6 +58,8 @@ class EagleForgeConfig:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     # Options of eagleforge.evaluate (speculative decoding with a trained draft).
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Options of eagleforge.export (a draft for SGLang, vLLM or speculators).
+    export: ExportConfig = field(default_factory=ExportConfig)
     # Seed of weights init, data split and shuffling.
     seed: int = 0
     # Root of run outputs and of the default MLflow store.

@@ -24,7 +24,7 @@ from eagleforge.checkpoint import load_draft_weights
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
-from eagleforge.formats import load_checked_sglang, read_sglang_architecture
+from eagleforge.formats import load_checked_draft, read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import load_prompts, render_prompt
@@ -71,7 +71,7 @@ def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draf
     """A draft from an SGLang-format directory, with the target's embedding; ConfigError
     when it was trained for another target."""
     layers = int(target.config.get_text_config().num_hidden_layers)
-    arch, tensors = load_checked_sglang(path, layers)
+    arch, tensors = load_checked_draft(path, layers)
     vocab = int(target.config.get_text_config().vocab_size)
     hidden = int(target.config.get_text_config().hidden_size)
     if arch.vocab_size != vocab or arch.target_hidden_size != hidden:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_drafts import tiny_draft
 
-from eagleforge.formats import check_sglang_draft, export_sglang
+from eagleforge.formats import check_draft, export_sglang
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ def _edit_tensors(path: Path, change: Callable[[dict], None]) -> None:  # type: 
 
 
 def test_an_exported_draft_has_no_problems(tmp_path: Path) -> None:
-    assert check_sglang_draft(_draft_dir(tmp_path), target_num_layers=4) == []
+    assert check_draft(_draft_dir(tmp_path), target_num_layers=4) == []
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_an_exported_draft_has_no_problems(tmp_path: Path) -> None:
                     "eagle_aux_hidden_state_layer_ids", [1, 2, 9]
                 ),
             ),
-            "aux layer ids [1, 2, 9] are outside the target's 0..3",
+            "aux layer ids [1, 2, 9] (sglang numbering) are outside the target's 0..3",
         ),
         (
             lambda p: _edit_tensors(p, lambda t: t.__setitem__("fc.weight", t["fc.weight"].half())),
@@ -74,5 +74,5 @@ def test_an_exported_draft_has_no_problems(tmp_path: Path) -> None:
 def test_each_problem_is_named(tmp_path: Path, break_it, message: str) -> None:  # type: ignore[no-untyped-def]
     path = _draft_dir(tmp_path)
     break_it(path)
-    problems = check_sglang_draft(path, target_num_layers=4)
+    problems = check_draft(path, target_num_layers=4)
     assert any(message in p for p in problems), problems

@@ -1,0 +1,150 @@
+"""Export a trained draft for a serving engine, or check draft directories from any tool.
+
+    python -m eagleforge.export export.draft=RUN/checkpoints/step_N export.format=vllm \
+        export.output_dir=DIR
+    python -m eagleforge.export --check DIR [DIR ...] [--target-layers N]
+
+The export is written under a temporary name, read back and compared with what was meant to
+be written (tensors bit for bit, the architecture field by field), checked, and only then
+renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from eagleforge.config import conf_dir, register_configs
+from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.formats import (
+    DraftFormat,
+    ExportConfig,
+    ExportDType,
+    Verifier,
+    check_draft,
+    read_draft,
+    write_draft,
+)
+
+log = logging.getLogger("eagleforge.export")
+
+
+def _training_target(draft_dir: Path) -> str:
+    """The target a checkpoint was trained for, from its config.yaml ('' when unknown)."""
+    path = draft_dir / "config.yaml"
+    if not path.is_file():
+        return ""
+    config = OmegaConf.to_container(OmegaConf.load(path))
+    model = (config.get("model") or {}) if isinstance(config, dict) else {}
+    return str(model.get("path") or model.get("name") or "")
+
+
+def export(cfg: ExportConfig) -> Path:
+    """Write ``cfg.draft`` in ``cfg.format`` to the output dir, verified; returns the dir."""
+    if not cfg.draft:
+        raise ConfigError("export.draft is not set: give a checkpoint or draft directory.")
+    source = Path(cfg.draft)
+    problems = check_draft(source)
+    if problems:
+        raise ConfigError(f"{source}: cannot export it: {'; '.join(problems)}.")
+    _, arch, tensors = read_draft(source)
+    if cfg.dtype != ExportDType.keep:
+        dtype = getattr(torch, cfg.dtype.value)
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    out = Path(cfg.output_dir or f"{source}-{cfg.format.value}")
+    if out.exists():
+        raise ConfigError(f"export.output_dir={out} exists; remove it or choose another directory.")
+    verifier = Verifier(cfg.verifier or _training_target(source), cfg.verifier_architectures)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_draft(arch, tensors, tmp, cfg.format, verifier, cfg.speculative_tokens)
+    _verify(tmp, cfg.format, arch, tensors)
+    os.rename(tmp, out)
+    return out
+
+
+def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch.Tensor]) -> None:
+    """Read an export back: its format, architecture and every tensor as intended."""
+    read_fmt, read_arch, read_tensors = read_draft(path)
+    expected = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens")}
+    wrong = [
+        k
+        for k in expected
+        if k not in read_tensors or not torch.equal(read_tensors[k], expected[k])
+    ]
+    problems = check_draft(path)
+    if (
+        read_fmt != fmt
+        or read_arch != arch
+        or wrong
+        or set(read_tensors) != set(expected)
+        or problems
+    ):
+        raise ConfigError(
+            f"{path}: the export does not read back as written (format {read_fmt.value}, "
+            f"tensors differing: {wrong}, problems: {problems}); please report this."
+        )
+
+
+def serve_hint(out: Path, fmt: DraftFormat) -> str:
+    if fmt == DraftFormat.sglang:
+        return (
+            "python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {out} --speculative-num-steps 3 "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+        )
+    return (
+        "vllm serve <target> --speculative-config "
+        f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": 3}}\''
+    )
+
+
+def check_main(argv: list[str]) -> int:
+    """``--check DIR ...``: every problem of every draft directory; status 1 if any."""
+    parser = argparse.ArgumentParser(prog="python -m eagleforge.export --check")
+    parser.add_argument("--check", nargs="+", metavar="DIR", required=True)
+    parser.add_argument(
+        "--target-layers", type=int, default=None, help="the target's layer count (range check)"
+    )
+    args = parser.parse_args(argv)
+    status = 0
+    for directory in args.check:
+        problems = check_draft(directory, args.target_layers)
+        if problems:
+            status = 1
+            print(f"{directory}: {len(problems)} problem(s)")
+            for problem in problems:
+                print(f"  - {problem}")
+        else:
+            fmt = read_draft(directory)[0]
+            print(f"{directory}: ok ({fmt.value} format)")
+    return status
+
+
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@exit_on_user_error
+def _hydra_main(cfg: DictConfig) -> None:
+    typed = OmegaConf.to_object(cfg.export)
+    assert isinstance(typed, ExportConfig)
+    out = export(typed)
+    print(f"exported {typed.draft} as {typed.format.value} to {out} (read back and checked)")
+    print(f"serve it: {serve_hint(out, typed.format)}")
+
+
+def main() -> None:
+    if "--check" in sys.argv[1:]:
+        sys.exit(check_main(sys.argv[1:]))
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

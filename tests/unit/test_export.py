@@ -1,0 +1,165 @@
+"""Export to SGLang, vLLM and speculators formats: bit-identical round trips, each format's
+names and aux-layer numbering, and the --check validator on drafts from any tool."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_drafts import tiny_draft
+
+from eagleforge.errors import ConfigError
+from eagleforge.export import check_main, export
+from eagleforge.formats import (
+    DraftFormat,
+    ExportConfig,
+    ExportDType,
+    check_draft,
+    export_sglang,
+    read_draft,
+)
+
+pytestmark = pytest.mark.unit
+FORMATS = list(DraftFormat)
+
+
+@pytest.fixture
+def trained(tmp_path: Path) -> Path:
+    """An SGLang-format draft with a training config.yaml beside it, like a checkpoint."""
+    path = export_sglang(tiny_draft(seed=3), tmp_path / "step_00000010")
+    (path / "config.yaml").write_text("model:\n  name: tiny\n  path: /models/Tiny-8B\n")
+    return path
+
+
+def _config(path: Path) -> dict:  # type: ignore[type-arg]
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_reads_back_bit_identical(
+    trained: Path, tmp_path: Path, fmt: DraftFormat
+) -> None:
+    _, arch, tensors = read_draft(trained)
+    out = export(ExportConfig(draft=str(trained), format=fmt, output_dir=str(tmp_path / fmt.value)))
+    read_fmt, read_arch, read_tensors = read_draft(out)
+    assert read_fmt == fmt and read_arch == arch
+    assert read_tensors.keys() == tensors.keys()
+    assert all(torch.equal(read_tensors[k], tensors[k]) for k in tensors)
+    assert check_draft(out, target_num_layers=4) == []
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_chain_of_exports_returns_to_the_same_bytes(trained: Path, tmp_path: Path) -> None:
+    """sglang -> vllm -> speculators -> sglang: the same tensors and config."""
+    current = trained
+    for fmt in (DraftFormat.vllm, DraftFormat.speculators, DraftFormat.sglang):
+        current = export(
+            ExportConfig(
+                draft=str(current), format=fmt, output_dir=str(tmp_path / f"to-{fmt.value}")
+            )
+        )
+    original, final = (
+        load_file(str(trained / "model.safetensors")),
+        load_file(str(current / "model.safetensors")),
+    )
+    assert original.keys() == final.keys() and all(
+        torch.equal(original[k], final[k]) for k in original
+    )
+    assert _config(current) == _config(trained)
+
+
+def test_names_and_layer_numbering_of_each_format(trained: Path, tmp_path: Path) -> None:
+    ours = _config(trained)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    vllm = export(
+        ExportConfig(draft=str(trained), format=DraftFormat.vllm, output_dir=str(tmp_path / "v"))
+    )
+    config = _config(vllm)
+    assert config["architectures"] == ["Eagle3LlamaForCausalLM"] and "eagle_config" not in config
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ours]  # input of layer
+    assert config["norm_before_residual"] is False
+    names = set(load_file(str(vllm / "model.safetensors")))
+    assert "layers.0.self_attn.q_proj.weight" in names and not any(
+        n.startswith("midlayer.") for n in names
+    )
+    assert {"d2t", "t2d", "lm_head.weight", "fc.weight", "norm.weight"} <= names
+
+    spec = export(
+        ExportConfig(draft=str(trained), format=DraftFormat.speculators, output_dir=str(tmp_path / "s"),
+                     verifier_architectures=["LlamaForCausalLM"], speculative_tokens=5)
+    )  # fmt: skip
+    config = _config(spec)
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == [
+        "Eagle3Speculator"
+    ]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ours]
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    speculators = config["speculators_config"]
+    assert speculators["verifier"] == {
+        "name_or_path": "/models/Tiny-8B",
+        "architectures": ["LlamaForCausalLM"],
+    }
+    assert speculators["proposal_methods"][0]["speculative_tokens"] == 5
+
+
+def test_dtype_conversion_and_refusals(trained: Path, tmp_path: Path) -> None:
+    out = export(
+        ExportConfig(
+            draft=str(trained), output_dir=str(tmp_path / "bf16"), dtype=ExportDType.bfloat16
+        )
+    )
+    _, _, tensors = read_draft(out)
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    assert _config(out)["torch_dtype"] == "bfloat16" and check_draft(out) == []
+    with pytest.raises(ConfigError, match="exists"):
+        export(ExportConfig(draft=str(trained), output_dir=str(out)))
+    with pytest.raises(ConfigError, match="export.draft is not set"):
+        export(ExportConfig())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps(_config(trained)))
+    tensors = load_file(str(trained / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ConfigError, match="no lm_head.weight"):
+        export(ExportConfig(draft=str(broken), output_dir=str(tmp_path / "never")))
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("fmt", [DraftFormat.vllm, DraftFormat.speculators])
+def test_the_validator_names_problems_in_every_format(
+    trained: Path, tmp_path: Path, fmt: DraftFormat, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = export(ExportConfig(draft=str(trained), format=fmt, output_dir=str(tmp_path / "x")))
+    config = _config(out)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 3, 9]
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(out / "model.safetensors"))
+    del tensors["d2t"]
+    save_file(tensors, str(out / "model.safetensors"))
+    assert check_main(["--check", str(out), str(trained), "--target-layers", "4"]) == 1
+    report = capsys.readouterr().out
+    assert f"{out}: 3 problem(s)" in report and f"{trained}: ok (sglang format)" in report
+    assert "architectures is ['LlamaForCausalLM']" in report and "no d2t/t2d" in report
+    assert f"[2, 3, 9] ({fmt.value} numbering) are outside the target's 1..4" in report
+
+
+def test_the_command_line(trained: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    done = subprocess.run(
+        [sys.executable, "-m", "eagleforge.export", f"export.draft={trained}",
+         "export.format=vllm", f"export.output_dir={out}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "read back and checked" in done.stdout and "vllm serve" in done.stdout
+    check = subprocess.run(
+        [sys.executable, "-m", "eagleforge.export", "--check", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert check.returncode == 0 and "ok (vllm format)" in check.stdout
