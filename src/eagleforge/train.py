@@ -32,7 +32,7 @@ from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import TTTBatch, step_weights
 from eagleforge.errors import ConfigError, exit_on_user_error
-from eagleforge.formats import load_sglang
+from eagleforge.formats import check_draft, load_sglang
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.fsdp import TTTModule, shard_draft
@@ -107,15 +107,16 @@ def offline_inputs(
     return Inputs(train_set, eval_set, target, train_set.token_samples(), vocab_dir, None)
 
 
-def init_from(draft: Eagle3Draft, path: Path) -> None:
-    """Fine-tune: the draft's weights and vocab map from a checkpoint or an exported draft."""
-    try:
-        _, tensors = load_sglang(path)
-    except (OSError, KeyError, ValueError) as e:
+def init_from(draft: Eagle3Draft, path: Path, target_num_layers: int) -> None:
+    """Fine-tune: the draft's weights and vocab map from a checkpoint or a draft exported in
+    any format (by any tool), checked first."""
+    problems = check_draft(path, target_num_layers)
+    if problems:
         raise ConfigError(
-            f"model.draft_init={path}: not a draft directory ({type(e).__name__}: {e}); give a "
-            "checkpoints/step_* or exported SGLang directory."
-        ) from None
+            f"model.draft_init={path}: not a usable draft directory: {'; '.join(problems)}; "
+            "give a checkpoints/step_* directory or a draft exported for this target."
+        )
+    _, tensors = load_sglang(path)
     load_draft_weights(draft, tensors, path)
     log.info("draft initialised from %s", path)
 
@@ -183,7 +184,7 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     draft.load_embedding(target.input_embedding().detach().cpu())
     draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
     if config.model.draft_init:
-        init_from(draft, Path(config.model.draft_init))
+        init_from(draft, Path(config.model.draft_init), target.config.num_hidden_layers)
     draft.to(device)
     # the draft's own map: with model.draft_init it is the initial draft's, not this data's
     draft_ids_W = draft.draft_to_target_ids(torch.arange(len(draft.d2t), device=device))

@@ -120,7 +120,7 @@ def test_draft_init_starts_from_a_checkpoint_with_a_fresh_optimizer(tmp_path: Pa
     assert tuned.step == 2 and len(tuned.train_losses) == 2  # steps counted from 0 again
     from eagleforge.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.draft_init=.*not a draft directory"):
+    with pytest.raises(ConfigError, match="model.draft_init=.*not a usable draft directory.*no config.json"):
         run(compose_config(overrides(tmp_path, "bad", f"model.draft_init={tmp_path}")))
 
 
