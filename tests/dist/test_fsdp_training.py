@@ -3,7 +3,12 @@ global batch, exact resume across a restart, and resume on another world size.""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +88,46 @@ def test_two_rank_resume_is_bit_identical_and_reshards(tmp_path: Path) -> None:
     alone = train(0, overrides(tmp_path / "alone", *args))
     assert len(alone[0]) == 2 and all(torch.isfinite(torch.tensor(alone[0])))
     assert weights(alone[2]).keys() == final_full.keys()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def test_two_ranks_killed_with_sigkill_resume_bit_identical(tmp_path: Path) -> None:
+    """torchrun's whole process group SIGKILLed once step 2 is saved; the same 2-rank
+    command then ends exactly as the run that never stopped."""
+    args = ("trainer.save_every_n_steps=1", "trainer.max_num_steps=5", "data.packing=false")
+    full = run_ranks(train, 2, overrides(tmp_path / "full", *args))[0]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.Popen(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "eagleforge.train",
+         *overrides(tmp_path / "killed", *args)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    while not (checkpoints / "step_00000002").exists() and proc.poll() is None:
+        time.sleep(0.01)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's workers run in other groups
+        os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    saved = int(sorted(checkpoints.glob("step_*"))[-1].name.removeprefix("step_"))
+    assert 2 <= saved < 5
+    resumed = run_ranks(train, 2, overrides(tmp_path / "killed", *args))[0]
+    assert resumed[0] == full[0][saved:]
+    final_full, final_resumed = weights(full[2]), weights(resumed[2])
+    assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,9 @@ def test_draft_init_starts_from_a_checkpoint_with_a_fresh_optimizer(tmp_path: Pa
     assert tuned.step == 2 and len(tuned.train_losses) == 2  # steps counted from 0 again
     from eagleforge.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.draft_init=.*not a usable draft directory.*no config.json"):
+    with pytest.raises(
+        ConfigError, match="model.draft_init=.*not a usable draft directory.*no config.json"
+    ):
         run(compose_config(overrides(tmp_path, "bad", f"model.draft_init={tmp_path}")))
 
 
@@ -149,3 +152,29 @@ def test_a_failed_save_stops_with_a_clear_error_and_loses_nothing(
     monkeypatch.setattr(checkpoint_module.torch, "save", real_save)
     resumed = run(compose_config(overrides(tmp_path, "full-disk")))
     assert resumed.step == 6 and len(resumed.train_losses) == 4
+
+
+@pytest.mark.parametrize("kill_after", [2, 5])
+def test_sigkill_at_any_point_then_resume_is_bit_identical(tmp_path: Path, kill_after: int) -> None:
+    """A real SIGKILL (no handler runs) once step ``kill_after``'s checkpoint exists -- often
+    in the middle of the next save -- then the same command: the run ends exactly as one
+    that never stopped."""
+    args = ("trainer.max_num_steps=7", "trainer.save_every_n_steps=1", "parallel.num_threads=1")
+    full = run(compose_config(overrides(tmp_path, "full", *args)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagleforge.train", *overrides(tmp_path, "killed", *args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    while not (checkpoints / f"step_{kill_after:08d}").exists() and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    saved = int(sorted(checkpoints.glob("step_*"))[-1].name.removeprefix("step_"))
+    assert kill_after <= saved < 7  # killed before the end
+    resumed = run(compose_config(overrides(tmp_path, "killed", *args)))
+    assert resumed.train_losses == full.train_losses[saved:]
+    final_full, final_resumed = weights(full.checkpoint), weights(resumed.checkpoint)
+    assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
+    assert not list(checkpoints.glob(".tmp-*"))  # a torn save was cleaned up
