@@ -80,8 +80,12 @@ def shard_draft(module: TTTModule, world: World, cfg: ParallelConfig) -> TTTModu
     if world.mesh is None:
         return module
     mixed = cfg.mixed_precision and world.device.type == "cuda"
+    # Inputs are not cast: the draft casts the aux states itself, and the loss scales must
+    # keep fp32 precision.
     policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         if mixed
         else MixedPrecisionPolicy()
     )
