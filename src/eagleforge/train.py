@@ -22,6 +22,8 @@ from typing import Any
 import hydra
 import numpy as np
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.checkpoint import TRAINING_STATE, load_draft_weights, newest_checkpoint
@@ -31,11 +33,12 @@ from eagleforge.data.features import FeatureDataset
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import TTTBatch, step_weights
-from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.errors import ConfigError, EagleForgeError
 from eagleforge.formats import check_draft, load_sglang
 from eagleforge.optim import build_optimizer
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.fsdp import TTTModule, shard_draft
+from eagleforge.parallel.launch import is_main_process
 from eagleforge.parallel.tp import tp_axis
 from eagleforge.parallel.usp import SequenceParallel, check_heads, shard_sequence
 from eagleforge.prepare import expected_manifest
@@ -44,8 +47,14 @@ from eagleforge.target.head import HeadOnlyTarget
 from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import load_tokenizer, resolve_model_dir
 from eagleforge.target.teacher import teacher_batch
-from eagleforge.tracking import MLflowTracker, build_tracker, flatten
-from eagleforge.trainer import Trainer, TrainResult
+from eagleforge.tracking import (
+    MLflowTracker,
+    build_tracker,
+    flatten,
+    record_failure,
+    record_stop,
+)
+from eagleforge.trainer import StopSignals, Trainer, TrainResult
 
 log = logging.getLogger("eagleforge.train")
 
@@ -310,18 +319,34 @@ def print_summary(result: TrainResult, tracker: object) -> None:
     print("\n".join(lines), flush=True)
 
 
-# Exit status of a run stopped by SIGTERM/SIGUSR1 after saving: 128 + the signal, as if the
-# signal had killed it, so that SLURM and submitit treat it as preempted and requeue it.
+# Exit status of a run stopped by a signal after saving: 128 + the signal, as if the signal
+# had killed it, so that SLURM and submitit treat it as preempted and requeue it.
 def _exit_status(result: TrainResult) -> int:
     return 128 + result.preempted_by if result.preempted_by is not None else 0
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
-@exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
-    status = _exit_status(run(cfg))
-    if status:
-        sys.exit(status)
+    """One run, or one job of a sweep (-m). A failure is recorded in MLflow; a user error
+    prints one line. In a sweep the error is raised instead of exiting: Hydra's launchers
+    record it as this job's failure, run the remaining jobs and end the multirun with status
+    1, where sys.exit would stop the whole sweep here."""
+    is_main = is_main_process()  # exports a submitit job's RANK/WORLD_SIZE before typing
+    try:
+        result = run(cfg)
+    except (Exception, KeyboardInterrupt) as e:
+        record_failure(e, cfg, is_main=is_main)
+        if not isinstance(e, EagleForgeError):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise
+        sys.exit(2)
+    if result.preempted_by is not None:
+        record_stop(result.preempted_by, cfg, is_main=is_main)
+        # saved: now the launcher's own handler (submitit's requeues the job), then exit
+        StopSignals.hand_on(result.preempted_by)
+        sys.exit(_exit_status(result))
 
 
 def main() -> None:

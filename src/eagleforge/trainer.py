@@ -170,11 +170,17 @@ class TrainResult:
 
 
 class StopSignals:
-    """While active, SIGTERM and SIGUSR1 (what SLURM sends before preemption or the time
-    limit) are recorded instead of killing the process, so the loop can finish its step and
-    save. Only in the main thread; other handlers are restored on exit."""
+    """While active, the signals that announce the end of a job are recorded instead of
+    killing the process, so the loop can finish its step and save: SIGTERM (SLURM's
+    preemption, scancel), SIGUSR1 (``sbatch --signal``) and SIGUSR2 (what submitit asks
+    SLURM to send before the time limit, and on preemption where SLURM sends it). Only in the
+    main thread; the handlers found on entry are put back on exit, and ``hand_on`` gives them
+    the recorded signal once the run has saved."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    # submitit's checkpoint-and-requeue signal: once recorded, a later SIGTERM (the rest of
+    # a preemption) does not replace it, so the job is still requeued.
+    REQUEUE = signal.SIGUSR2
 
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -187,12 +193,23 @@ class StopSignals:
         return self
 
     def _record(self, signum: int, _frame: Any) -> None:
-        self.signal = signum
+        if self.signal != self.REQUEUE:
+            self.signal = signum
 
     def __exit__(self, *_: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    @staticmethod
+    def hand_on(signum: int) -> None:
+        """After the run stopped and saved: call the Python handler now installed for
+        ``signum`` (the one found on entry), if any. Inside a submitit job that is submitit's:
+        on SIGUSR2 it requeues the job and exits; on SIGTERM it only logs. Returns when the
+        handler does (or there is none); the caller then exits with 128 + signum."""
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            handler(signum, None)
 
 
 class Trainer:

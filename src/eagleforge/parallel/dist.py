@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from eagleforge.parallel import ParallelConfig, ParallelDims, resolve_device
+from eagleforge.parallel.launch import export_submitit_env
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class World:
 
 def init_distributed(cfg: ParallelConfig) -> World:
     """Join the launcher's process group (nccl on CUDA, gloo on CPU) and build the mesh."""
+    export_submitit_env()  # a submitit task's rank and rendezvous, as torchrun would set them
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dims = cfg.dims(world_size)
