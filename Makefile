@@ -10,10 +10,10 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo test test-all lint format bench clean
+.PHONY: help venv demo test test-all lint format bench mlflow-server clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -51,6 +51,22 @@ bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
 	$(TTT_STEP) --hidden-size 512 --intermediate-size 1792 --heads 8 --kv-heads 2 --vocab 128256 --draft-vocab 32000 --seq-len 1024
 	$(OFFLINE) $(PY) benchmarks/preprocess.py --rows 7168 --num-proc 1,2
 	$(OFFLINE) $(PY) benchmarks/feature_store.py --samples 2000 --hidden-size 1024 --json
+
+# The shared tracking server: the store of local runs (outputs/mlflow.db) served over HTTP.
+MLFLOW_HOST ?= 127.0.0.1
+MLFLOW_PORT ?= 5000
+MLFLOW_DIR ?= outputs
+# More `mlflow server` options, e.g. MLFLOW_SERVER_ARGS="--allowed-hosts login1:5000".
+MLFLOW_SERVER_ARGS ?=
+mlflow-server: $(STAMP) ## Serve MLflow for shared tracking on 127.0.0.1:5000 (MLFLOW_PORT=, MLFLOW_HOST=)
+	@mkdir -p $(MLFLOW_DIR)
+	@echo "Runs log here with:  export MLFLOW_TRACKING_URI=http://$(MLFLOW_HOST):$(MLFLOW_PORT)"
+	@echo "(or tracker.tracking_uri=http://$(MLFLOW_HOST):$(MLFLOW_PORT)); Ctrl-C stops the server."
+	@# Only the tracking API is needed: no background job runner (it spawns a dozen workers).
+	@MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false exec $(VENV)/bin/mlflow server \
+		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) --workers 1 \
+		--backend-store-uri sqlite:///$(abspath $(MLFLOW_DIR))/mlflow.db \
+		--artifacts-destination $(abspath $(MLFLOW_DIR))/mlartifacts $(MLFLOW_SERVER_ARGS)
 
 clean: ## Remove run outputs (not the venv or the model/data cache)
 	rm -rf outputs multirun .pytest_cache
