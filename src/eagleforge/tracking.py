@@ -41,7 +41,7 @@ class TrackerConfig:
     tracking_uri: str | None = None
     # MLflow experiment name.
     experiment: str = "eagleforge"
-    # Run name; null = <model>-<data>-<timestamp of the output dir>.
+    # Run name; null = <model>-<data>-<time of the run dir> (in a sweep, also the job number).
     run_name: str | None = None
 
 
@@ -266,20 +266,25 @@ def hydra_job_tags() -> dict[str, str]:
 MAX_TAG_CHARS = 5000
 
 
+def default_run_name(model: str, data: str, output_dir: Path) -> str:
+    """<model>-<data>-<run dir time>, or in a sweep <model>-<data>-<sweep time>-<job number>."""
+    # a sweep job's dir is <sweep dir>/<job number> (hydra.sweep.subdir)
+    parts = output_dir.parts[-2:] if output_dir.name.isdigit() else output_dir.parts[-1:]
+    return "-".join([model, data, *parts])
+
+
 def build_tracker(
     cfg: TrackerConfig,
     output_root: str | Path,
     run_name: str,
-    rank: int = 0,
     *,
-    is_main: bool | None = None,
+    is_main: bool = True,
     tags: Mapping[str, str] | None = None,
 ) -> Tracker:
-    """The tracker of this process: a NullTracker on every process but the main one, so that
-    one run is logged however many processes train. ``is_main`` says whether this is the main
-    process (``world.is_main``); when not given, ``rank == 0`` decides. ``tags`` go on the
-    MLflow run; null = ``hydra_job_tags()``."""
-    if not (is_main if is_main is not None else rank == 0):
+    """The tracker of this process: a NullTracker on every process but the main one
+    (``world.is_main``), so that one run is logged however many processes train. ``tags`` go
+    on the MLflow run; null = ``hydra_job_tags()``."""
+    if not is_main:
         return NullTracker()
     if cfg.kind == TrackerKind.console:
         return ConsoleTracker()
@@ -319,14 +324,14 @@ def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = Tru
         if not isinstance(tracker_cfg, TrackerConfig) or tracker_cfg.kind != TrackerKind.mlflow:
             return
         output_dir = Path(str(OmegaConf.select(cfg, "output_dir", default="run")))
-        run_name = "-".join(
+        model, data = (
             str(OmegaConf.select(cfg, key, default="unknown"))
             for key in ("model.name", "data.name")
         )
         tracker = build_tracker(
             tracker_cfg,
             str(OmegaConf.select(cfg, "output_root", default="outputs")),
-            f"{run_name}-{output_dir.name}",
+            default_run_name(model, data, output_dir),
         )
         assert isinstance(tracker, MLflowTracker)
         tracker.mlflow.set_tag("error", message)

@@ -50,6 +50,7 @@ from eagleforge.target.teacher import teacher_batch
 from eagleforge.tracking import (
     MLflowTracker,
     build_tracker,
+    default_run_name,
     flatten,
     record_failure,
     record_stop,
@@ -245,8 +246,8 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
 
     container = OmegaConf.to_container(cfg, resolve=True)
     config_yaml = OmegaConf.to_yaml(container)
-    run_name = f"{config.model.name}-{config.data.name}-{output_dir.name}"
-    tracker = build_tracker(config.tracker, config.output_root, run_name, world.rank)
+    run_name = default_run_name(config.model.name, config.data.name, output_dir)
+    tracker = build_tracker(config.tracker, config.output_root, run_name, is_main=world.is_main)
     tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
     if inputs.report is not None:
         tracker.log_metrics(inputs.report.metrics("data"), step=0)

@@ -382,7 +382,7 @@ class Trainer:
         self.tracker.log_metrics(metrics, step=self.step)
 
     def _preempted(self, result: TrainResult) -> TrainResult:
-        """After SIGTERM/SIGUSR1: the step is finished; save it and report the signal."""
+        """After a stop signal (StopSignals): the step is finished; save it and report it."""
         if not (self.cfg.save_every_n_steps and self.step % self.cfg.save_every_n_steps == 0):
             result.checkpoint = self.save()
         result.step, result.preempted_by = self.step, self.stop.signal
