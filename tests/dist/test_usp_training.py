@@ -25,11 +25,16 @@ def train(rank: int, args: list[str]) -> tuple[list[float], dict[str, float], st
     return result.train_losses, result.final_eval, str(result.checkpoint)
 
 
-@pytest.mark.parametrize("split", ["parallel.sp_ulysses=2", "parallel.sp_ring=2"])
-def test_sequence_parallel_training_matches_one_process(tmp_path: Path, split: str) -> None:
+def prepare_store(tmp_path: Path) -> Path:
     store = tmp_path / "features"
     prepare(to_typed(compose_config([*DATA, f"prepare.output_dir={store}",
                                      f"output_dir={tmp_path / 'prep'}"])))  # fmt: skip
+    return store
+
+
+@pytest.mark.parametrize("split", ["parallel.sp_ulysses=2", "parallel.sp_ring=2"])
+def test_sequence_parallel_training_matches_one_process(tmp_path: Path, split: str) -> None:
+    store = prepare_store(tmp_path)
     common = [*DATA, f"data.features={store}", "data.max_tokens_per_batch=256",
               "trainer.max_num_steps=3", "trainer.progress_bar=false", "optimizer.lr=1e-3",
               "optimizer.eps=1e-4", "draft.ttt_length=3", "parallel.device=cpu",

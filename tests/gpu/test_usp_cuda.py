@@ -11,10 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the rank spawner of the dist tier
 from ranks import run_ranks  # noqa: E402
-from test_usp_training import DATA, train  # noqa: E402
-
-from eagleforge.config import compose_config, to_typed
-from eagleforge.prepare import run as prepare
+from test_usp_training import DATA, prepare_store, train  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,9 +21,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("split", ["parallel.sp_ulysses=2", "parallel.sp_ring=2"])
 def test_sequence_parallel_on_two_gpus(tmp_path: Path, split: str) -> None:
-    store = tmp_path / "features"
-    prepare(to_typed(compose_config([*DATA, f"prepare.output_dir={store}",
-                                     f"output_dir={tmp_path / 'prep'}"])))  # fmt: skip
+    store = prepare_store(tmp_path)
     common = [*DATA, f"data.features={store}", "trainer.max_num_steps=3",
               "trainer.progress_bar=false", "draft.ttt_length=3", "parallel.device=cuda",
               "parallel.mixed_precision=false", "tracker=console", f"output_root={tmp_path}"]  # fmt: skip
