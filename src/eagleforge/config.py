@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from eagleforge.data.dataset import DataConfig
 from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
+from eagleforge.data.regenerate import RegenerateConfig
 from eagleforge.draft.model import AttentionBackend, DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.formats import ExportConfig
@@ -60,6 +61,8 @@ class EagleForgeConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     # Options of eagleforge.export (a draft for SGLang, vLLM or speculators).
     export: ExportConfig = field(default_factory=ExportConfig)
+    # Options of eagleforge.regenerate (assistant turns rewritten by the target).
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     # Seed of weights init, data split and shuffling.
     seed: int = 0
     # Root of run outputs and of the default MLflow store.

@@ -1,0 +1,462 @@
+"""Rewriting a data set's assistant turns with the target: rows, chunks, backends, the job.
+
+Each conversation keeps its user, system and tool turns; every assistant turn is generated
+again by the target, conditioned on the *regenerated* history. The result is OpenAI-format
+jsonl (``{"id", "messages"}``), which ``data=jsonl data.path=...`` trains on.
+
+Rows are processed in chunks of ``regenerate.chunk_rows``. A finished chunk is written
+atomically to ``<output>.chunks/`` and never redone: the same command after a kill continues
+with the first unfinished chunk. When every chunk is done they are joined into ``output``.
+Requests that still fail after the retries are left out and recorded, with the reason, in
+``<output>.failed.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from eagleforge.data.conversations import (
+    Conversation,
+    DataFormat,
+    RowError,
+    chitchat_source_file,
+    expand_sources,
+    normalise_row,
+    read_rows,
+)
+from eagleforge.data.dataset import DataConfig, OnError
+from eagleforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from eagleforge.config import EagleForgeConfig
+
+log = logging.getLogger("eagleforge.regenerate")
+
+
+class Backend(str, Enum):
+    server = "server"  # any OpenAI-compatible chat endpoint (SGLang, vLLM, transformers serve)
+    hf = "hf"  # the target in this process, batched generation with transformers
+
+
+@dataclass
+class RegenerateConfig:
+    """The `regenerate` config section (python -m eagleforge.regenerate)."""
+
+    # Output jsonl file (OpenAI messages format); chunks and failures are kept beside it.
+    output: str | None = None
+    # Where the target runs: server | hf.
+    backend: Backend = Backend.server
+    # server: base URLs of OpenAI-compatible endpoints (…/v1); conversations are spread over them.
+    base_urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:30000/v1"])
+    # server: the model name to request; null = the first model the endpoint lists.
+    model: str | None = None
+    # server: API key sent as a bearer token (null = none, or $OPENAI_API_KEY).
+    api_key: str | None = None
+    # server: conversations in flight at once (over all base URLs).
+    concurrency: int = 16
+    # server: attempts per request after the first, with exponential backoff.
+    max_retries: int = 3
+    # server: seconds before the first retry (doubled each time).
+    retry_backoff_s: float = 1.0
+    # server: seconds to wait for one response.
+    timeout_s: float = 600.0
+    # hf: conversations generated together.
+    batch_size: int = 8
+    # Sampling temperature (0 = greedy, reproducible).
+    temperature: float = 0.0
+    # Nucleus sampling threshold (1 = off).
+    top_p: float = 1.0
+    # Tokens generated per assistant turn at most.
+    max_new_tokens: int = 1024
+    # Keep the model's reasoning (reasoning_content) in the regenerated turns, or drop it.
+    keep_reasoning: bool = False
+    # Regenerated versions of each conversation (> 1 needs temperature > 0).
+    num_samples: int = 1
+    # Conversations per chunk (the unit of atomic writes and of resume).
+    chunk_rows: int = 256
+    # Only the first N conversations (null = all).
+    max_rows: int | None = None
+    # Seed of the hf backend's sampling.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "batch_size", "max_new_tokens", "num_samples", "chunk_rows"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"regenerate.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.timeout_s <= 0:
+            raise ConfigError(
+                "regenerate.max_retries and retry_backoff_s must be >= 0 and timeout_s > 0."
+            )
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"regenerate.temperature must be >= 0 and top_p in (0, 1], got "
+                f"{self.temperature} and {self.top_p}."
+            )
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"regenerate.num_samples={self.num_samples} with temperature 0 gives identical "
+                "copies; set regenerate.temperature > 0 (e.g. 0.7)."
+            )
+        if self.backend == Backend.server and not self.base_urls:
+            raise ConfigError("regenerate.base_urls is empty; give the server's …/v1 URL.")
+
+
+@dataclass
+class Reply:
+    """One generated assistant turn."""
+
+    content: str
+    reasoning: str | None = None
+
+
+class RequestFailed(Exception):
+    """A request that failed after every retry; the message says why."""
+
+
+# A backend turns conversation histories into one reply each (or the reason it failed).
+Generate = Callable[[list[Conversation]], list["Reply | RequestFailed"]]
+
+THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+def split_reasoning(text: str, reasoning: str | None) -> Reply:
+    """A reply with inline ``<think>…</think>`` moved to ``reasoning``."""
+    match = THINK.match(text)
+    if match and reasoning is None:
+        return Reply(text[match.end() :], match.group(1).strip())
+    return Reply(text, reasoning)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input rows and output chunks
+
+
+@dataclass
+class Row:
+    index: int  # position in the source (after data.max_num_samples / regenerate.max_rows)
+    id: str
+    messages: Conversation
+
+
+def read_input(data: DataConfig, limit: int | None) -> tuple[list[Row], list[dict[str, Any]]]:
+    """The conversations to regenerate and the rows that could not be read (data.on_error)."""
+    files = (
+        [chitchat_source_file()]
+        if data.format == DataFormat.chitchat
+        else expand_sources(data.sources())
+    )
+    rows: list[Row] = []
+    bad: list[dict[str, Any]] = []
+    for where, raw in read_rows(data.format, files):
+        if limit is not None and len(rows) + len(bad) >= limit:
+            break
+        try:
+            if isinstance(raw, RowError):
+                raise raw
+            messages = normalise_row(raw, data.format, where)
+        except RowError as e:
+            if data.on_error == OnError.raise_:
+                raise ConfigError(
+                    f"{e} (or set data.on_error=skip to leave such rows out)"
+                ) from None
+            bad.append({"where": where, "reason": str(e)})
+            continue
+        row_id = raw.get("id") if isinstance(raw.get("id"), str) else where
+        rows.append(Row(len(rows), row_id, messages))
+    return rows, bad
+
+
+def chunk_path(chunks_dir: Path, index: int) -> Path:
+    return chunks_dir / f"{index:06d}.jsonl"
+
+
+def write_atomically(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "w") as f:
+        f.writelines(line + "\n" for line in lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regenerating one conversation, whatever the backend
+
+
+def regenerate_rows(
+    rows: list[Row], generate: Generate, cfg: RegenerateConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(output rows, failures) for ``rows``: every assistant turn replaced, in order, for
+    ``num_samples`` samples of each conversation. ``generate`` is called once per assistant
+    turn position with the histories of every conversation still going."""
+    work = [(row, sample) for row in rows for sample in range(cfg.num_samples)]
+    histories: list[Conversation] = [[] for _ in work]
+    turn_of = [0 for _ in work]
+    failed: dict[int, str] = {}
+    live = list(range(len(work)))
+    while live:
+        # advance every live conversation to its next assistant turn (or to its end)
+        waiting = []
+        for i in live:
+            messages = work[i][0].messages
+            while turn_of[i] < len(messages) and messages[turn_of[i]]["role"] != "assistant":
+                histories[i].append(dict(messages[turn_of[i]]))
+                turn_of[i] += 1
+            if turn_of[i] < len(messages):
+                waiting.append(i)
+        if not waiting:
+            break
+        replies = generate([histories[i] for i in waiting])
+        live = []
+        for i, reply in zip(waiting, replies, strict=True):
+            if isinstance(reply, RequestFailed):
+                failed[i] = str(reply)
+                continue
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if cfg.keep_reasoning and reply.reasoning:
+                message["reasoning_content"] = reply.reasoning
+            histories[i].append(message)
+            turn_of[i] += 1
+            live.append(i)
+    out, failures = [], []
+    for i, (row, sample) in enumerate(work):
+        row_id = row.id if cfg.num_samples == 1 else f"{row.id}#{sample}"
+        if i in failed:
+            failures.append({"index": row.index, "id": row_id, "reason": failed[i]})
+        else:
+            out.append({"id": row_id, "messages": histories[i]})
+    return out, failures
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+
+
+class ServerBackend:
+    """Chat completions from OpenAI-compatible endpoints: each conversation of a call in its
+    own thread (``concurrency`` at once), spread over the base URLs, with retries."""
+
+    def __init__(self, cfg: RegenerateConfig) -> None:
+        self.cfg = cfg
+        self.urls = [url.rstrip("/") for url in cfg.base_urls]
+        self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
+        self.model = cfg.model or self._served_model()
+        self.pool = ThreadPoolExecutor(cfg.concurrency)
+        self.calls = 0
+
+    def _request(self, url: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as response:
+            return json.loads(response.read())
+
+    def _with_retries(self, url: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        delay, attempts = self.cfg.retry_backoff_s, self.cfg.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                return self._request(url, body)
+            except urllib.error.HTTPError as e:
+                reason = f"HTTP {e.code} from {url}: {e.read()[:300].decode(errors='replace')}"
+                if 400 <= e.code < 500 and e.code not in (408, 429):
+                    raise RequestFailed(reason) from None  # the request itself is wrong
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                reason = f"{url}: {getattr(e, 'reason', e)}"
+            except json.JSONDecodeError as e:
+                reason = f"{url}: not a JSON response ({e.msg})"
+            if attempt + 1 < attempts:
+                time.sleep(delay)
+                delay *= 2
+        raise RequestFailed(f"{reason} (after {attempts} attempts)")
+
+    def _served_model(self) -> str:
+        try:
+            listing = self._with_retries(f"{self.urls[0]}/models", None)
+            return str(listing["data"][0]["id"])
+        except (RequestFailed, KeyError, IndexError, TypeError) as e:
+            raise ConfigError(
+                f"regenerate.base_urls[0]={self.urls[0]}: cannot list its models ({e}); start "
+                "the server first, check the URL (it ends in /v1), or set regenerate.model."
+            ) from None
+
+    def _reply(self, index: int, history: Conversation) -> Reply | RequestFailed:
+        url = self.urls[index % len(self.urls)]
+        body = {
+            "model": self.model,
+            "messages": history,
+            "max_tokens": self.cfg.max_new_tokens,
+            "temperature": self.cfg.temperature,
+            "top_p": self.cfg.top_p,
+        }
+        try:
+            response = self._with_retries(f"{url}/chat/completions", body)
+            message = response["choices"][0]["message"]
+            return split_reasoning(message.get("content") or "", message.get("reasoning_content"))
+        except RequestFailed as e:
+            return e
+        except (KeyError, IndexError, TypeError) as e:
+            return RequestFailed(f"{url}: unexpected response shape ({type(e).__name__}: {e})")
+
+    def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
+        start = self.calls
+        self.calls += len(histories)
+        futures = [
+            self.pool.submit(self._reply, start + i, history) for i, history in enumerate(histories)
+        ]
+        return [f.result() for f in futures]
+
+
+class HFBackend:
+    """Batched ``generate`` with the target in this process (left-padded prompts)."""
+
+    def __init__(self, cfg: RegenerateConfig, config: EagleForgeConfig) -> None:
+        from eagleforge.parallel import resolve_device
+        from eagleforge.target.hf import HFTarget
+        from eagleforge.target.source import load_tokenizer, resolve_model_dir
+
+        self.cfg = cfg
+        self.device = resolve_device(config.parallel)
+        model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
+        self.tokenizer = load_tokenizer(config.model, model_dir)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        target = HFTarget.from_config(config.model, config.target, model_dir, self.device)
+        self.model = target.model
+        torch.manual_seed(cfg.seed)  # generate() samples from the global generator
+
+    @torch.no_grad()
+    def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
+        replies: list[Reply | RequestFailed] = []
+        for start in range(0, len(histories), self.cfg.batch_size):
+            batch = histories[start : start + self.cfg.batch_size]
+            prompts = [
+                self.tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True)
+                for h in batch
+            ]
+            inputs = self.tokenizer(
+                prompts, return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(self.device)
+            sampling = self.cfg.temperature > 0
+            output = self.model.generate(
+                **inputs,
+                max_new_tokens=self.cfg.max_new_tokens,
+                do_sample=sampling,
+                temperature=self.cfg.temperature if sampling else None,
+                top_p=self.cfg.top_p if sampling else None,
+                top_k=None,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            new_tokens = output[:, inputs["input_ids"].shape[1] :]
+            texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+            replies += [split_reasoning(text.strip(), None) for text in texts]
+        return replies
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+
+
+@dataclass
+class Summary:
+    rows: int
+    written: int
+    failed: int
+    seconds: float
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / max(self.seconds, 1e-9)
+
+
+def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
+    """Regenerate ``config.data`` into ``config.regenerate.output``, resuming finished chunks."""
+    cfg = config.regenerate
+    if not cfg.output:
+        raise ConfigError("regenerate.output is not set: give the jsonl file to write.")
+    output = Path(cfg.output)
+    if output.exists():
+        raise ConfigError(
+            f"regenerate.output={output} exists (a finished job); remove it or choose another file."
+        )
+    limit = cfg.max_rows if cfg.max_rows is not None else config.data.max_num_samples
+    rows, bad_rows = read_input(config.data, limit)
+    chunks_dir = output.with_name(f"{output.name}.chunks")
+    chunks_dir.mkdir(parents=True, exist_ok=True)
+    failures_path = output.with_name(f"{output.name}.failed.jsonl")
+    chunks = [rows[i : i + cfg.chunk_rows] for i in range(0, len(rows), cfg.chunk_rows)]
+    todo = [i for i in range(len(chunks)) if not chunk_path(chunks_dir, i).exists()]
+    done_rows = sum(len(chunks[i]) for i in range(len(chunks)) if i not in todo)
+    if done_rows:
+        log.info("resuming: %d of %d conversations already done", done_rows, len(rows))
+    start = time.perf_counter()
+    if todo:
+        generate = generate or (
+            ServerBackend(cfg) if cfg.backend == Backend.server else HFBackend(cfg, config)
+        )
+        bar = tqdm(total=len(rows), initial=done_rows, unit="conv", desc="regenerate")
+        for index in todo:
+            out, failures = regenerate_rows(chunks[index], generate, cfg)
+            # failures first: a chunk file is the mark that its failures are recorded too
+            write_atomically(
+                chunks_dir / f"{index:06d}.failed.jsonl", [json.dumps(f) for f in failures]
+            )
+            write_atomically(chunk_path(chunks_dir, index), [json.dumps(r) for r in out])
+            bar.update(len(chunks[index]))
+        bar.close()
+    seconds = time.perf_counter() - start
+    written = _join(chunks_dir, len(chunks), output)
+    failed = _join_failures(chunks_dir, len(chunks), bad_rows, failures_path)
+    summary = Summary(len(rows) - done_rows, written, failed, seconds)
+    log.info(
+        "regenerated %d conversations (%.2f/s): %d rows written to %s, %d failed%s",
+        summary.rows,
+        summary.rows_per_s,
+        written,
+        output,
+        failed,
+        f" (see {failures_path})" if failed else "",
+    )
+    return summary
+
+
+def _join(chunks_dir: Path, num_chunks: int, output: Path) -> int:
+    """Every chunk, in order, into ``output`` (atomically); the chunks are then removed."""
+    lines = []
+    for index in range(num_chunks):
+        lines += chunk_path(chunks_dir, index).read_text().splitlines()
+    write_atomically(output, lines)
+    for index in range(num_chunks):
+        chunk_path(chunks_dir, index).unlink()
+    return len(lines)
+
+
+def _join_failures(
+    chunks_dir: Path, num_chunks: int, bad_rows: list[dict[str, Any]], path: Path
+) -> int:
+    lines = [json.dumps(row) for row in bad_rows]
+    for index in range(num_chunks):
+        part = chunks_dir / f"{index:06d}.failed.jsonl"
+        lines += part.read_text().splitlines()
+        part.unlink()
+    chunks_dir.rmdir()
+    if lines:
+        write_atomically(path, lines)
+    return len(lines)

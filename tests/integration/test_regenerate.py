@@ -1,0 +1,146 @@
+"""Regenerating assistant turns: through a real OpenAI-compatible server (`transformers serve`
+with SmolLM2, started here on 127.0.0.1), resumed after a kill, with failures recorded, and
+in-process with the hf backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eagleforge.config import compose_config, to_typed
+from eagleforge.data.dataset import build_datasets
+from eagleforge.data.regenerate import run
+
+pytestmark = pytest.mark.integration
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "sharegpt_small.jsonl"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Path) -> Iterator[str]:
+    """`transformers serve` on a free port, its own process group, stopped after the tests."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("transformers")), "serve", str(smollm2_dir),
+         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, "transformers serve exited"
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def overrides(output: Path, *extra: str) -> list[str]:
+    return ["+model=smollm2", "data=sharegpt", f"data.path={FIXTURE}",
+            f"regenerate.output={output}", "regenerate.max_new_tokens=12",
+            "regenerate.retry_backoff_s=0.05", f"output_dir={output.parent}", *extra]  # fmt: skip
+
+
+def rows(path: Path) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def source_rows() -> list[list[dict]]:  # type: ignore[type-arg]
+    return [json.loads(line)["conversations"] for line in FIXTURE.read_text().splitlines()]
+
+
+def test_server_backend_rewrites_every_assistant_turn(server: str, tmp_path: Path) -> None:
+    output = tmp_path / "regen.jsonl"
+    config = to_typed(compose_config(overrides(output, f"regenerate.base_urls=[{server}]",
+                                               "regenerate.max_rows=3")))  # fmt: skip
+    summary = run(config)
+    assert summary.written == 3 and summary.failed == 0
+    for row, source in zip(rows(output), source_rows(), strict=False):
+        messages = row["messages"]
+        assert [m["role"] for m in messages] == [
+            {"human": "user", "gpt": "assistant", "system": "system"}[t["from"]] for t in source
+        ]
+        kept = [m["content"] for m in messages if m["role"] != "assistant"]
+        assert kept == [t["value"] for t in source if t["from"] != "gpt"]
+        assert all(m["content"].strip() for m in messages if m["role"] == "assistant")
+    assert not (tmp_path / "regen.jsonl.chunks").exists()
+    # the training data path reads it
+    data = to_typed(compose_config(["+model=smollm2", "data=jsonl", f"data.path={output}",
+                                    "data.num_eval_samples=0", "output_dir=/tmp/unused"]))  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path or _model_dir())
+    prepared = build_datasets(data.data, tokenizer, tmp_path / "cache", 0)
+    assert len(prepared.train) == 3
+
+
+def _model_dir() -> Path:
+    from eagleforge.target.source import bundled_smollm2_dir
+
+    return bundled_smollm2_dir(Path(os.environ["EAGLEFORGE_CACHE_DIR"]))
+
+
+def test_killed_job_resumes_without_duplicates_or_losses(server: str, tmp_path: Path) -> None:
+    output = tmp_path / "regen.jsonl"
+    args = overrides(output, f"regenerate.base_urls=[{server}]", "regenerate.chunk_rows=1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagleforge.regenerate", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    chunks = tmp_path / "regen.jsonl.chunks"
+    while len(list(chunks.glob("0?????.jsonl"))) < 2 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    finished = {p.name: p.read_text() for p in chunks.glob("0?????.jsonl")}
+    assert len(finished) >= 2 and not output.exists()
+    summary = run(to_typed(compose_config(args)))
+    assert summary.rows == 6 - len(finished)  # only the unfinished chunks ran again
+    written = rows(output)
+    assert len(written) == 6 and len({r["id"] for r in written}) == 6
+    for name, text in finished.items():  # finished chunks are kept as they were
+        assert written[int(name.split(".")[0])] == json.loads(text)
+
+
+def test_failed_requests_are_retried_then_recorded(tmp_path: Path) -> None:
+    output = tmp_path / "regen.jsonl"
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    config = to_typed(compose_config(overrides(
+        output, f"regenerate.base_urls=[{dead}]", "regenerate.model=smollm2",
+        "regenerate.max_retries=2", "regenerate.max_rows=2")))  # fmt: skip
+    summary = run(config)
+    assert summary.written == 0 and summary.failed == 2
+    failures = rows(tmp_path / "regen.jsonl.failed.jsonl")
+    assert [f["index"] for f in failures] == [0, 1]
+    assert all("after 3 attempts" in f["reason"] and dead in f["reason"] for f in failures)
+
+
+def test_hf_backend_in_process(tmp_path: Path) -> None:
+    output = tmp_path / "regen.jsonl"
+    config = to_typed(compose_config(overrides(
+        output, "regenerate.backend=hf", "regenerate.max_rows=4", "regenerate.batch_size=4",
+        "parallel.device=cpu")))  # fmt: skip
+    summary = run(config)
+    assert summary.written == 4
+    for row in rows(output):
+        assert all(m["content"].strip() for m in row["messages"] if m["role"] == "assistant")
