@@ -48,8 +48,8 @@ def rng_state() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's device (another run may see fewer GPUs)
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -86,16 +86,10 @@ def save_checkpoint(
         "rng": every_rank_rng_state(world),
         "progress": dict(progress, data_shards=world.dims.data_shards),
     }
-    error = None
-    if world.is_main:
-        try:
-            _write(final, module.draft.arch, tensors, state, config_yaml)
-        except CheckpointError as e:
-            error = e
-    if world.any(error is not None):
-        raise error or CheckpointError(
-            f"{final}: rank 0 could not write the checkpoint (see its log)."
-        )
+    world.on_main(
+        lambda: _write(final, module.draft.arch, tensors, state, config_yaml),
+        CheckpointError(f"{final}: rank 0 could not write the checkpoint (see its log)."),
+    )
     return final
 
 
@@ -115,21 +109,24 @@ def _write(
         for file in tmp.iterdir():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-    except OSError as e:  # disk full, quota, permissions: keep what exists, say so
+        if final.exists():  # replacing (checkpoints/best): the old one stays whole until swapped
+            old = final.with_name(f".old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    # disk full, quota, permissions -- safetensors and torch.save report them as their own
+    # error types: keep what exists, say so
+    except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
         raise CheckpointError(
-            f"{final}: could not write the checkpoint ({e.strerror or e}); the earlier "
+            f"{final}: could not write the checkpoint ({reason}); the earlier "
             f"checkpoints in {final.parent} are intact. Free space (or fix the directory) and "
             "run the same command again to resume from the last of them."
         ) from None
-    if final.exists():  # replacing (checkpoints/best): the old one stays whole until swapped
-        old = final.with_name(f".old-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -146,7 +143,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -181,6 +178,21 @@ def load_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], pat
     draft.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False)
 
 
+def _read_state(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises many types on bad files
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
+            "the one before, or set trainer.resume=never."
+        ) from None
+
+
+def read_progress(checkpoint_dir: str | Path) -> dict[str, int]:
+    """A checkpoint's progress (step, epoch, data position, data shards, run length)."""
+    return {k: int(v) for k, v in _read_state(Path(checkpoint_dir))["progress"].items()}
+
+
 def load_checkpoint(
     checkpoint_dir: str | Path,
     module: TTTModule,
@@ -192,10 +204,10 @@ def load_checkpoint(
     progress (step, epoch, batches_into_epoch, data_shards). Raises CheckpointError naming a
     bad checkpoint. The full state loads into any number of ranks."""
     path = Path(checkpoint_dir)
+    state = _read_state(path)
     try:
-        state = torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu")
         _, tensors = load_sglang(path)
-    except Exception as e:  # torch and safetensors raise many types on bad files
+    except Exception as e:  # safetensors raises many types on bad files
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
             "the one before, or set trainer.resume=never."

@@ -86,6 +86,12 @@ class EagleForgeConfig:
                 f"parallel.tp={parallel.tp}; set it to 0 and run eagleforge.evaluate on the "
                 "saved checkpoints."
             )
+        if offline and self.trainer.eval_tau_every_n_steps:
+            raise ConfigError(
+                "trainer.eval_tau_every_n_steps decodes with the whole target, which offline "
+                "training (data.features) does not load; set it to 0 and run "
+                "eagleforge.evaluate on the saved checkpoints."
+            )
         usp = self.draft.attention == AttentionBackend.usp
         if parallel.sp > 1 and not (usp and offline):
             raise ConfigError(

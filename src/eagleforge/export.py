@@ -12,6 +12,7 @@ renamed into place.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -37,14 +38,19 @@ from eagleforge.formats import (
 log = logging.getLogger("eagleforge.export")
 
 
-def _training_target(draft_dir: Path) -> str:
-    """The target a checkpoint was trained for, from its config.yaml ('' when unknown)."""
+def _known_target(draft_dir: Path) -> str:
+    """The target a draft is for: a checkpoint's config.yaml (model.path or name) or a
+    speculators draft's verifier; '' when the directory does not say."""
     path = draft_dir / "config.yaml"
-    if not path.is_file():
-        return ""
-    config = OmegaConf.to_container(OmegaConf.load(path))
-    model = (config.get("model") or {}) if isinstance(config, dict) else {}
-    return str(model.get("path") or model.get("name") or "")
+    if path.is_file():
+        config = OmegaConf.to_container(OmegaConf.load(path))
+        model = (config.get("model") or {}) if isinstance(config, dict) else {}
+        return str(model.get("path") or model.get("name") or "")
+    draft_config = json.loads((draft_dir / "config.json").read_text())
+    return str(
+        ((draft_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        or ""
+    )
 
 
 def export(cfg: ExportConfig) -> Path:
@@ -62,11 +68,21 @@ def export(cfg: ExportConfig) -> Path:
     out = Path(cfg.output_dir or f"{source}-{cfg.format.value}")
     if out.exists():
         raise ConfigError(f"export.output_dir={out} exists; remove it or choose another directory.")
-    verifier = Verifier(cfg.verifier or _training_target(source), cfg.verifier_architectures)
+    verifier = Verifier(cfg.verifier or _known_target(source), cfg.verifier_architectures)
+    if cfg.format == DraftFormat.speculators and not verifier.name_or_path:
+        raise ConfigError(
+            f"{source} does not say which target it was trained for (no config.yaml or "
+            "verifier); set "
+            "export.verifier to the target's hub id or path (vLLM serves it from there)."
+        )
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_draft(arch, tensors, tmp, cfg.format, verifier, cfg.speculative_tokens)
-    _verify(tmp, cfg.format, arch, tensors)
+    try:
+        write_draft(arch, tensors, tmp, cfg.format, verifier, cfg.speculative_tokens)
+        _verify(tmp, cfg.format, arch, tensors)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.rename(tmp, out)
     return out
 

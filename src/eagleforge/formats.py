@@ -361,12 +361,15 @@ def _inspect(
     )
     if not (isinstance(layer_ids, list) and len(layer_ids) == 3):
         problems.append(f"{where} must list the 3 target layers the draft reads, got {layer_ids!r}")
-    elif target_num_layers is not None and not all(0 <= i < target_num_layers for i in layer_ids):
+    elif target_num_layers is not None:
+        # In its own numbering every format names layers 0..N-1 (SGLang their outputs, vLLM
+        # their inputs), so the check is on the ids as written.
         shown = [i + fmt.layer_id_offset for i in layer_ids]
-        low, high = fmt.layer_id_offset, target_num_layers - 1 + fmt.layer_id_offset
-        problems.append(
-            f"aux layer ids {shown} ({fmt.value} numbering) are outside the target's {low}..{high}"
-        )
+        if not all(0 <= i < target_num_layers for i in shown):
+            problems.append(
+                f"aux layer ids {shown} ({fmt.value} numbering) are outside the target's "
+                f"0..{target_num_layers - 1}"
+            )
     if not weights_path.is_file():
         return [*problems, f"{path}: no model.safetensors"], config, {}
     tensors = {_from_format(k): v for k, v in load_file(str(weights_path)).items()}

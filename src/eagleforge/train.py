@@ -26,7 +26,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from eagleforge.checkpoint import TRAINING_STATE, load_draft_weights, newest_checkpoint
+from eagleforge.checkpoint import (
+    TRAINING_STATE,
+    load_draft_weights,
+    newest_checkpoint,
+    read_progress,
+)
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets, make_loader
 from eagleforge.data.features import FeatureDataset
@@ -224,7 +229,9 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     if packing:
         log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
 
-    def loader(dataset: Any, shuffle_seed: int | None) -> torch.utils.data.DataLoader:
+    def loader(
+        dataset: Any, shuffle_seed: int | None, start: int = 0
+    ) -> torch.utils.data.DataLoader:
         return make_loader(
             dataset,
             packing,
@@ -234,14 +241,22 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
             shuffle_seed,
             shard=world.data_rank,
             num_shards=world.dims.data_shards,
+            start=start,
         )
 
-    def train_loader(epoch: int) -> torch.utils.data.DataLoader:
-        return loader(train_set, shuffle_seed=config.seed * 1_000_003 + epoch)
+    def train_loader(epoch: int, start: int = 0) -> torch.utils.data.DataLoader:
+        return loader(train_set, config.seed * 1_000_003 + epoch, start)
 
     eval_loader = loader(eval_set, shuffle_seed=None) if eval_set is not None else None
+    # rank 0 picks the checkpoint (ranks must agree, also on a lagging network filesystem)
+    checkpoint = world.gather_objects(resume_from(trainer_cfg.resume, output_dir))[0]
     steps_per_epoch = math.ceil(len(train_loader(0)) / trainer_cfg.grad_accum_steps)
-    max_num_steps = trainer_cfg.max_num_steps or trainer_cfg.num_epochs * steps_per_epoch
+    # a resumed run keeps its own length (and so its schedule), whatever the ranks now
+    max_num_steps = (
+        trainer_cfg.max_num_steps
+        or (checkpoint and read_progress(checkpoint).get("max_num_steps"))
+        or trainer_cfg.num_epochs * steps_per_epoch
+    )
     optimizer, scheduler = build_optimizer(config.optimizer, module, max_num_steps)
 
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -273,7 +288,6 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         if trainer_cfg.eval_tau_every_n_steps
         else None,
     )
-    checkpoint = resume_from(trainer_cfg.resume, output_dir)
     if checkpoint is not None:
         trainer.resume(checkpoint)
     result = trainer.train()

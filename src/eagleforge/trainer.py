@@ -218,7 +218,7 @@ class Trainer:
         *,
         module: TTTModule,
         make_batch: Callable[[dict[str, torch.Tensor]], TTTBatch],
-        train_loader: Callable[[int], torch.utils.data.DataLoader],
+        train_loader: Callable[[int, int], torch.utils.data.DataLoader],
         eval_loader: torch.utils.data.DataLoader | None,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -239,7 +239,10 @@ class Trainer:
         self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
         self.world, self.device = world, world.device
         self.output_dir, self.config_yaml = output_dir, config_yaml
-        self.step, self.epoch, self.batches_into_epoch = 0, 0, 0
+        self.step, self.epoch = 0, 0
+        # global batches of the epoch used before its loader started (resumed runs), and this
+        # rank's batches drawn from the loader since
+        self.epoch_start, self.batches_into_epoch = 0, 0
         self.tau_probe = tau_probe if cfg.eval_tau_every_n_steps else None
         self._replica: Eagle3Draft | None = None  # rank 0's whole draft for τ, when sharded
         self.stop = StopSignals()
@@ -249,19 +252,25 @@ class Trainer:
 
     def micro_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Micro-batches forever, epoch after epoch, each epoch in its own seeded order; a
-        resumed run first skips the batches its epoch had already used."""
+        resumed run starts after the batches its epoch had already used."""
         while True:
-            loader = self.train_loader(self.epoch)
-            skip = self.batches_into_epoch
-            sampler = loader.batch_sampler
-            if skip and isinstance(sampler, list):
-                loader = torch.utils.data.DataLoader(
-                    loader.dataset, batch_sampler=sampler[skip:], collate_fn=loader.collate_fn
-                )
+            loader = self.train_loader(self.epoch, self.epoch_start)
             for batch in loader:
                 self.batches_into_epoch += 1
                 yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            self.epoch, self.batches_into_epoch = self.epoch + 1, 0
+            self.epoch, self.epoch_start, self.batches_into_epoch = self.epoch + 1, 0, 0
+
+    def progress(self) -> dict[str, int]:
+        """Where the run is: step, epoch, and how many of the epoch's global batches (in its
+        seeded order, over all data shards) are used -- the same for any number of ranks."""
+        shards = self.world.dims.data_shards
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "global_batches_into_epoch": self.epoch_start + self.batches_into_epoch * shards,
+            "data_shards": shards,
+            "max_num_steps": self.max_num_steps,
+        }
 
     def resume(self, checkpoint: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, RNG, step and data position."""
@@ -269,17 +278,18 @@ class Trainer:
             checkpoint, self.module, self.optimizer, self.scheduler, self.world
         )
         self.step, self.epoch = progress["step"], progress["epoch"]
-        self.batches_into_epoch = progress["batches_into_epoch"]
-        shards, saved_shards = self.world.dims.data_shards, progress.get("data_shards", 1)
-        if saved_shards != shards:
-            # the same number of samples into the epoch, now dealt to another number of ranks
-            self.batches_into_epoch = self.batches_into_epoch * saved_shards // shards
+        saved_shards = progress.get("data_shards", 1)
+        # (checkpoints of one-process runs before data sharding counted that rank's batches)
+        used = progress.get("global_batches_into_epoch", progress.get("batches_into_epoch", 0))
+        self.epoch_start, self.batches_into_epoch = used, 0
+        if saved_shards != self.world.dims.data_shards:
             log.warning(
                 "resuming a run saved with %d data shards on %d: the rest of epoch %d is dealt "
-                "differently, so the data order (and the loss trace) differs from the "
-                "uninterrupted run",
+                "to the ranks differently and each step now takes another number of batches, "
+                "so the data order (and the loss trace) differs from the uninterrupted run; the "
+                "step count and learning-rate schedule are the run's own",
                 saved_shards,
-                shards,
+                self.world.dims.data_shards,
                 self.epoch,
             )
         log.info("resumed from %s at step %d (epoch %d)", checkpoint, self.step, self.epoch)
@@ -328,25 +338,20 @@ class Trainer:
         return sums.summed_over(self.world).metrics("eval", self.weights_k)
 
     def save(self, name: str | None = None) -> Path:
-        progress = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "batches_into_epoch": self.batches_into_epoch,
-        }
         path = self.output_dir / "checkpoints" / (name or f"step_{self.step:08d}")
         saved = save_checkpoint(
             path,
             self.module,
             self.optimizer,
             self.scheduler,
-            progress,
+            self.progress(),
             self.config_yaml,
             self.world,
         )
         if name is None and self.cfg.keep_last_n is not None and self.world.is_main:
             steps = sorted(path.parent.glob("step_*"))
             for old in steps[: -self.cfg.keep_last_n]:
-                shutil.rmtree(old)
+                shutil.rmtree(old, ignore_errors=True)  # a leftover is harmless, a crash is not
         return saved
 
     def whole_draft(self) -> Eagle3Draft | None:
@@ -370,9 +375,13 @@ class Trainer:
 
     def _measure_tau(self, result: TrainResult) -> None:
         """Real τ of the current draft; a new best is saved as checkpoints/best."""
-        assert self.tau_probe is not None
-        draft = self.whole_draft()
-        tau = self.world.broadcast_float(self.tau_probe(draft) if draft is not None else 0.0)
+        probe, draft = self.tau_probe, self.whole_draft()
+        assert probe is not None
+        measured = self.world.on_main(
+            lambda: probe(draft) if draft is not None else 0.0,
+            RuntimeError("rank 0 failed measuring τ (see its log)"),
+        )
+        tau = self.world.broadcast_float(measured or 0.0)
         best = max(result.tau_by_step.values(), default=float("-inf"))
         result.tau_by_step[self.step] = tau
         metrics = {"eval/tau": tau}

@@ -119,3 +119,9 @@ def test_parallel_combinations_that_cannot_work_name_the_fields(
     base = ["+model=tiny", "data=chitchat", "output_dir=/tmp/unused"]
     with pytest.raises(ConfigError, match=named):
         to_typed(compose_config([*base, *overrides]))
+
+
+def test_real_tau_during_offline_training_is_refused() -> None:
+    with pytest.raises(ConfigError, match="eval_tau_every_n_steps decodes with the whole target"):
+        to_typed(compose_config(["+model=tiny", "data=chitchat", "output_dir=/tmp/unused",
+                                 "data.features=/tmp/f", "trainer.eval_tau_every_n_steps=5"]))  # fmt: skip

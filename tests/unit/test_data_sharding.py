@@ -27,3 +27,19 @@ def test_filler_samples_supervise_nothing() -> None:
     assert [len(b) for b in batches] == [1, 1, 1]
     assert batches[2][0]["loss_mask"].sum() == 0  # the third rank's filler
     assert batches[2][0]["input_ids"].tolist() == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize(("used", "num_shards"), [(5, 2), (4, 3), (0, 2), (10, 2)])
+def test_a_resumed_epoch_deals_only_the_unused_batches(used: int, num_shards: int) -> None:
+    """After ``used`` global batches (saved on any number of ranks), the rest of the epoch is
+    dealt to the new ranks: each remaining batch once, none of the used ones again."""
+    dataset = TokenizedDataset([[i + 1] * 3 for i in range(10)], [[1, 1, 1]] * 10)
+    loaders = [
+        make_loader(dataset, False, 64, 1, 0, 7, shard=s, num_shards=num_shards, start=used)
+        for s in range(num_shards)
+    ]
+    full_order = [b["input_ids"][0, 0].item() for b in make_loader(dataset, False, 64, 1, 0, 7)]
+    seen = [
+        b["input_ids"][0, 0].item() for loader in loaders for b in loader if b["loss_mask"].any()
+    ]
+    assert sorted(seen) == sorted(full_order[used:])

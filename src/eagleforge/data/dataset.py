@@ -549,11 +549,13 @@ def make_loader(
     shuffle_seed: int | None = None,
     shard: int = 0,
     num_shards: int = 1,
+    start: int = 0,
 ) -> torch.utils.data.DataLoader:
     """Batches of ``batch_size`` padded samples, or with ``packing`` one row of whole samples
     up to ``max_tokens_per_batch`` tokens per batch.
 
     ``shuffle_seed``: the order is a seeded permutation (one per epoch); None keeps file order.
+    ``start``: leave out the order's first ``start`` batches (already used by a resumed run).
     ``shard`` of ``num_shards`` (data-parallel ranks): see ``shard_batches``.
     """
     order = list(range(len(dataset)))
@@ -567,6 +569,7 @@ def make_loader(
     else:
         batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
         collate = Collator(pad_token_id)
+    batches = batches[start:]
     if num_shards > 1:
         batches = shard_batches(batches, shard, num_shards)
         dataset = _WithFillers(dataset)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from eagleforge.parallel import ParallelConfig, ParallelDims, resolve_device
 from eagleforge.parallel.launch import export_submitit_env
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,6 +71,20 @@ class World:
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on some rank."""
         return bool(self.all_reduce_sum(torch.tensor([int(flag)])).item())
+
+    def on_main(self, fn: Callable[[], T], elsewhere: Exception) -> T | None:
+        """``fn()`` on rank 0 only (None elsewhere). If it raises, every rank raises -- rank 0
+        its error, the others ``elsewhere`` -- instead of the others waiting in their next
+        collective until the timeout."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except Exception as e:
+                error = e
+        if self.any(error is not None):
+            raise error or elsewhere
+        return result
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order, on every rank."""

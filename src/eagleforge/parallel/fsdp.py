@@ -89,12 +89,16 @@ def shard_draft(module: TTTModule, world: World, cfg: ParallelConfig) -> TTTModu
         if mixed
         else MixedPrecisionPolicy()
     )
+    # one axis over every rank (DeviceMesh._flatten: private, but what torchtitan uses too)
     flat = world.mesh._flatten("draft_dp") if world.mesh.ndim > 1 else world.mesh
     fully_shard(
         module,
         mesh=flat,
         reshard_after_forward=cfg.reshard_after_forward,
         mp_policy=policy,
+        # the frozen embedding (vocab x hidden) stays whole on each rank, as the target's does:
+        # no all-gather of it in every forward and backward
+        ignored_params=set(module.draft.embed_tokens.parameters()),
     )
     assert isinstance(module, FSDPModule)
     module.set_gradient_divide_factor(1.0)
@@ -110,8 +114,10 @@ def set_gradient_sync(module: nn.Module, sync: bool) -> None:
 
 def full_draft_state(module: TTTModule) -> dict[str, torch.Tensor]:
     """Every tensor of the draft (frozen embedding and vocab map included), whole, on CPU,
-    keyed by the draft's names. A collective under FSDP: every rank must call it."""
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    keyed by the draft's names -- on rank 0; other ranks get {}. A collective under FSDP:
+    every rank must call it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(module, options=options)
     return {
         k.removeprefix(PREFIX): v.detach().cpu()
         for k, v in state.items()
@@ -129,9 +135,10 @@ def load_draft_state(module: TTTModule, tensors: dict[str, torch.Tensor]) -> Non
 
 
 def optimizer_state(module: TTTModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's whole state keyed by parameter name (a collective under FSDP)."""
+    """The optimizer's whole state keyed by parameter name, on CPU, on rank 0 ({} elsewhere; a
+    collective under FSDP)."""
     return get_optimizer_state_dict(
-        module, optimizer, options=StateDictOptions(full_state_dict=True)
+        module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
 
 
