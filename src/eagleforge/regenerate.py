@@ -24,10 +24,12 @@ from eagleforge.errors import exit_on_user_error
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
-    summary = run(to_typed(cfg))
+    config = to_typed(cfg)
+    summary = run(config)
     print(
-        f"{summary.written} conversations written to {to_typed(cfg).regenerate.output} "
-        f"({summary.rows_per_s:.2f} conversations/s, {summary.failed} failed)",
+        f"{summary.written} conversations written to {config.regenerate.output} "
+        f"({summary.rows_per_s:.2f} conversations/s; {summary.failed} failed, "
+        f"{summary.skipped} source rows unreadable)",
         flush=True,
     )
     if summary.failed and not summary.written:
