@@ -70,8 +70,10 @@ def source_rows() -> list[list[dict]]:  # type: ignore[type-arg]
 
 
 def test_server_backend_rewrites_every_assistant_turn(server: str, tmp_path: Path) -> None:
+    """Two base URLs, one of them down: its requests are retried on the other."""
     output = tmp_path / "regen.jsonl"
-    config = to_typed(compose_config(overrides(output, f"regenerate.base_urls=[{server}]",
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    config = to_typed(compose_config(overrides(output, f"regenerate.base_urls=[{server},{dead}]",
                                                "regenerate.max_rows=3")))  # fmt: skip
     summary = run(config)
     assert summary.written == 3 and summary.failed == 0

@@ -69,7 +69,8 @@ class RegenerateConfig:
     api_key: str | None = None
     # server: conversations in flight at once (over all base URLs).
     concurrency: int = 16
-    # server: attempts per request after the first, with exponential backoff.
+    # server: attempts per request after the first, with exponential backoff (each retry
+    # goes to the next base URL).
     max_retries: int = 3
     # server: seconds before the first retry (doubled each time).
     retry_backoff_s: float = 1.0
@@ -268,9 +269,14 @@ class ServerBackend:
         with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as response:
             return json.loads(response.read())
 
-    def _with_retries(self, url: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    def _with_retries(
+        self, path: str, body: dict[str, Any] | None, first: int = 0
+    ) -> dict[str, Any]:
+        """POST ``body`` (GET without one) to ``path`` under base URL ``first``; each retry goes
+        to the next base URL, so a server that is down costs one attempt, not a conversation."""
         delay, attempts = self.cfg.retry_backoff_s, self.cfg.max_retries + 1
         for attempt in range(attempts):
+            url = f"{self.urls[(first + attempt) % len(self.urls)]}/{path}"
             try:
                 return self._request(url, body)
             except urllib.error.HTTPError as e:
@@ -288,7 +294,7 @@ class ServerBackend:
 
     def _served_model(self) -> str:
         try:
-            listing = self._with_retries(f"{self.urls[0]}/models", None)
+            listing = self._with_retries("models", None)
             return str(listing["data"][0]["id"])
         except (RequestFailed, KeyError, IndexError, TypeError) as e:
             raise ConfigError(
@@ -297,7 +303,6 @@ class ServerBackend:
             ) from None
 
     def _reply(self, index: int, history: Conversation) -> Reply | RequestFailed:
-        url = self.urls[index % len(self.urls)]
         body = {
             "model": self.model,
             "messages": history,
@@ -306,13 +311,13 @@ class ServerBackend:
             "top_p": self.cfg.top_p,
         }
         try:
-            response = self._with_retries(f"{url}/chat/completions", body)
+            response = self._with_retries("chat/completions", body, first=index)
             message = response["choices"][0]["message"]
             return split_reasoning(message.get("content") or "", message.get("reasoning_content"))
         except RequestFailed as e:
             return e
         except (KeyError, IndexError, TypeError) as e:
-            return RequestFailed(f"{url}: unexpected response shape ({type(e).__name__}: {e})")
+            return RequestFailed(f"unexpected response shape ({type(e).__name__}: {e})")
 
     def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
         start = self.calls
