@@ -24,6 +24,7 @@ from eagleforge.errors import ConfigError
 from eagleforge.formats import ExportConfig
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import ParallelConfig
+from eagleforge.profiling import ProfileConfig
 from eagleforge.speculative.decode import EvalConfig
 from eagleforge.target import TargetConfig
 from eagleforge.target.source import ModelConfig
@@ -53,6 +54,8 @@ class EagleForgeConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     # Loop, eval and checkpoint cadence.
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # torch.profiler traces of a few training steps.
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # Options of eagleforge.inspect_data.
     inspect: InspectConfig = field(default_factory=InspectConfig)
     # Options of eagleforge.prepare (capturing a feature store for offline training).

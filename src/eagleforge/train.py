@@ -40,13 +40,14 @@ from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Dr
 from eagleforge.draft.ttt import TTTBatch, step_weights
 from eagleforge.errors import ConfigError, EagleForgeError
 from eagleforge.formats import check_draft, load_sglang
-from eagleforge.optim import build_optimizer
+from eagleforge.optim import apply_master_dtype, build_optimizer
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.fsdp import TTTModule, shard_draft
 from eagleforge.parallel.launch import is_main_process
 from eagleforge.parallel.tp import tp_axis
 from eagleforge.parallel.usp import SequenceParallel, check_heads, shard_sequence
 from eagleforge.prepare import expected_manifest
+from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.target.head import HeadOnlyTarget
 from eagleforge.target.hf import HFTarget
@@ -54,6 +55,7 @@ from eagleforge.target.source import load_tokenizer, resolve_model_dir
 from eagleforge.target.teacher import teacher_batch
 from eagleforge.tracking import (
     MLflowTracker,
+    Tracker,
     build_tracker,
     default_run_name,
     flatten,
@@ -201,6 +203,7 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     if config.model.draft_init:
         init_from(draft, Path(config.model.draft_init), target.config.num_hidden_layers)
     draft.to(device)
+    apply_master_dtype(draft, config.optimizer)  # optimizer.fp32_master: fp32 or bf16 weights
     # the draft's own map: with model.draft_init it is the initial draft's, not this data's
     draft_ids_W = draft.draft_to_target_ids(torch.arange(len(draft.d2t), device=device))
     t2d_V = draft.t2d
@@ -290,7 +293,13 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     )
     if checkpoint is not None:
         trainer.resume(checkpoint)
+    if config.profile.enabled:
+        trainer.profiler = StepProfiler(
+            config.profile, output_dir / "profile", world.rank, device, trainer.step
+        )
     result = trainer.train()
+    if trainer.profiler is not None:
+        report_profile(trainer.profiler, world, tracker)
     if world.is_main:
         summary = {
             "step": result.step,
@@ -306,6 +315,15 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         print_summary(result, tracker)
     tracker.close()
     return result
+
+
+def report_profile(profiler: StepProfiler, world: World, tracker: Tracker) -> None:
+    """Rank 0 logs every rank's trace and prints its own top-operators table."""
+    world.barrier()  # every rank's trace is written
+    if world.is_main and profiler.table:
+        for trace in sorted(profiler.trace.parent.glob("trace_rank*.json")):
+            tracker.log_artifact(trace)
+        print(f"\nTop operators (rank 0, {profiler.sort_key}):\n{profiler.table}", flush=True)
 
 
 def print_summary(result: TrainResult, tracker: object) -> None:

@@ -36,6 +36,7 @@ from eagleforge.draft.ttt import (
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import TTTModule, full_draft_state, set_gradient_sync
+from eagleforge.profiling import StepProfiler
 from eagleforge.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ class Trainer:
         output_dir: Path,
         config_yaml: str,
         tau_probe: Callable[[Eagle3Draft], float] | None = None,
+        profiler: StepProfiler | None = None,
     ) -> None:
         self.module, self.make_batch = module, make_batch
         self.train_loader, self.eval_loader = train_loader, eval_loader
@@ -244,6 +246,7 @@ class Trainer:
         # rank's batches drawn from the loader since
         self.epoch_start, self.batches_into_epoch = 0, 0
         self.tau_probe = tau_probe if cfg.eval_tau_every_n_steps else None
+        self.profiler = profiler
         self._replica: Eagle3Draft | None = None  # rank 0's whole draft for τ, when sharded
         self.stop = StopSignals()
         self.autocast = torch.autocast(
@@ -405,7 +408,11 @@ class Trainer:
 
     def train(self) -> TrainResult:
         with self.stop:
-            return self._train()
+            try:
+                return self._train()
+            finally:
+                if self.profiler is not None:
+                    self.profiler.stop()
 
     def _train(self) -> TrainResult:
         cfg, result = self.cfg, TrainResult(step=self.step)
@@ -425,6 +432,8 @@ class Trainer:
         while self.step < self.max_num_steps:
             sums, grad_norm = self.train_step([next(batches) for _ in range(cfg.grad_accum_steps)])
             self.step += 1
+            if self.profiler is not None:
+                self.profiler.step()
             window.add(sums.loss_sum_k, sums.num_counted_k, sums.num_correct_k, sums.num_tokens)
             step_metrics = sums.metrics("train", self.weights_k)
             result.train_losses.append(step_metrics["train/loss"])
