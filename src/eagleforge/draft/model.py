@@ -122,7 +122,14 @@ class DraftArchitecture:
     def from_target(
         cls, target_config: Any, draft: DraftConfig, aux_layer_ids: list[int]
     ) -> DraftArchitecture:
-        """Derive the draft's shape from a transformers config of the target."""
+        """Derive the draft's shape from a transformers config of the target.
+
+        The draft is always one dense Llama layer; targets that differ get the nearest such
+        layer: a multimodal config's text part (Llama 4, Gemma 3), the dense MLP width of a
+        MoE target where it has one (Llama 4's ``intermediate_size_mlp``), GQA with the value
+        head size for multi-head latent attention (DeepSeek-V3), the full-attention RoPE of
+        per-layer-type RoPE (Gemma 3), and SiLU whatever the target's activation.
+        """
         text = (
             target_config.get_text_config()
             if hasattr(target_config, "get_text_config")
@@ -130,16 +137,24 @@ class DraftArchitecture:
         )
         hidden = text.hidden_size
         heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or hidden // heads
+        if getattr(text, "kv_lora_rank", None):  # MLA: no per-head K/V to mirror
+            head_dim = getattr(text, "v_head_dim", None) or head_dim
+            heads = hidden // head_dim
+            kv_heads = 8 if heads % 8 == 0 else heads
         rope = dict(getattr(text, "rope_parameters", None) or {})
+        if isinstance(rope.get("full_attention"), dict):  # RoPE per layer type (Gemma 3)
+            rope = dict(rope["full_attention"])
         rope_theta = float(rope.pop("rope_theta", getattr(text, "rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         vocab = text.vocab_size
+        mlp_width = getattr(text, "intermediate_size_mlp", None) or text.intermediate_size
         return cls(
             hidden_size=hidden,
-            intermediate_size=draft.intermediate_size or text.intermediate_size,
+            intermediate_size=draft.intermediate_size or mlp_width,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -149,7 +164,7 @@ class DraftArchitecture:
             target_hidden_size=hidden,
             aux_layer_ids=list(aux_layer_ids),
             rope_scaling=None if rope_type == "default" else rope,
-            hidden_act=getattr(text, "hidden_act", "silu"),
+            hidden_act="silu",  # DraftMLP is SiLU-gated; the export must say what was trained
             target_model_type=getattr(text, "model_type", "llama"),
         )
 
