@@ -1,4 +1,6 @@
-"""The `optimizer` config section: AdamW, linear warmup + cosine decay, gradient clipping.
+"""The `optimizer` config section: AdamW, 8-bit AdamW or APOLLO, with linear warmup + cosine
+decay and gradient clipping shared by all three; and the dtype the trainable draft weights are
+kept in (``fp32_master``). See docs/optimizers.md.
 
 Only trainable draft parameters are optimised (the embedding copied from the target is frozen).
 """
@@ -8,21 +10,80 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from eagleforge.errors import ConfigError
 
+OPTIM_EXTRA = "pip install 'eagleforge[optim]'"
+
 
 class OptimizerKind(str, Enum):
-    adamw = "adamw"
+    adamw = "adamw"  # torch.optim.AdamW
+    adamw_8bit = "adamw_8bit"  # bitsandbytes AdamW8bit: 8-bit block-quantised Adam moments
+    apollo = "apollo"  # apollo-torch APOLLOAdamW: Adam moments in a random low-rank space
+
+
+class ApolloScaleType(str, Enum):
+    channel = "channel"  # one gradient scale per row or column (APOLLO)
+    tensor = "tensor"  # one gradient scale per matrix (APOLLO-Mini)
+
+
+class ApolloProjection(str, Enum):
+    random = "random"  # seeded Gaussian projection, no SVD (the APOLLO method)
+    svd = "svd"  # GaLore's SVD of the gradient
+
+
+class ApolloProjectionSide(str, Enum):
+    std = "std"  # project the longer side of each matrix away
+    reverse_std = "reverse_std"  # project the shorter side away
+    left = "left"  # always multiply from the left
+    right = "right"  # always multiply from the right
+
+
+@dataclass
+class ApolloConfig:
+    """`optimizer.apollo`: APOLLO's options, used only with ``kind: apollo``. They apply to the
+    trainable matrices; norms and other 1-d weights get plain AdamW updates. Defaults are
+    APOLLO-Mini's (rank 1, tensor-wise scaling, scale 128) from the apollo-torch README."""
+
+    # Rank of the auxiliary space the gradient scaling is estimated in (1 = APOLLO-Mini; the
+    # paper uses about a quarter of the hidden size for APOLLO).
+    rank: int = 1
+    # channel (APOLLO) or tensor (APOLLO-Mini) gradient scaling.
+    scale_type: ApolloScaleType = ApolloScaleType.tensor
+    # How the low-rank projection is drawn: random (APOLLO) or svd (GaLore).
+    proj: ApolloProjection = ApolloProjection.random
+    # Which side of each matrix is projected.
+    proj_type: ApolloProjectionSide = ApolloProjectionSide.std
+    # Optimizer steps between fresh projections.
+    update_proj_gap: int = 200
+    # Update multiplier (applied as sqrt(scale)) that makes up for the low rank: 1 for
+    # APOLLO at rank ~dim/4, 128 for APOLLO-Mini.
+    scale: float = 128.0
+    # Apply sqrt(scale) before the norm-growth limiter instead of after it (for short warmups).
+    scale_front: bool = False
+    # Turn off Fira's norm-growth limiter (which caps each update's norm at 1.01x the last).
+    disable_nl: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"optimizer.apollo.rank must be >= 1, got {self.rank}.")
+        if self.update_proj_gap < 1:
+            raise ConfigError(
+                f"optimizer.apollo.update_proj_gap must be >= 1 step, got {self.update_proj_gap}."
+            )
+        if self.scale <= 0:
+            raise ConfigError(f"optimizer.apollo.scale must be > 0, got {self.scale}.")
 
 
 @dataclass
 class OptimizerConfig:
     """The `optimizer` config section."""
 
-    # Optimizer algorithm.
+    # Optimizer algorithm: adamw, adamw_8bit (bitsandbytes) or apollo (apollo-torch).
     kind: OptimizerKind = OptimizerKind.adamw
     # Peak learning rate (reached at the end of warmup).
     lr: float = 1e-4
@@ -30,7 +91,7 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # Adam epsilon.
     eps: float = 1e-8
-    # Decoupled weight decay.
+    # Decoupled weight decay (per step, times lr).
     weight_decay: float = 0.0
     # Fraction of the optimizer steps spent in linear warmup from 0.
     warmup_ratio: float = 0.015
@@ -38,10 +99,18 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
     # Clip the global gradient norm to this value (0 = no clipping).
     max_grad_norm: float = 0.5
+    # Keep the trainable draft weights in fp32, so the optimizer updates fp32 master weights
+    # while CUDA compute runs in bf16; false = store them in bf16 (half the weight, gradient
+    # and AdamW-state memory, but small updates can round away).
+    fp32_master: bool = True
+    # APOLLO's options (kind: apollo only).
+    apollo: ApolloConfig = field(default_factory=ApolloConfig)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}.")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas must be two values in [0, 1), got {self.betas}.")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"optimizer.warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -59,17 +128,104 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: flo
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def master_dtype(cfg: OptimizerConfig) -> torch.dtype:
+    """The dtype trainable draft weights are stored (and updated) in."""
+    return torch.float32 if cfg.fp32_master else torch.bfloat16
+
+
+def apply_master_dtype(model: torch.nn.Module, cfg: OptimizerConfig) -> None:
+    """Store the trainable parameters in ``master_dtype(cfg)``, in place (the Parameter objects
+    stay the same); call before sharding and before building the optimizer.
+
+    Frozen parameters (the embedding) and buffers are left as they are: they get no updates, and
+    the draft casts what it reads from them to the compute dtype.
+    """
+    dtype = master_dtype(cfg)
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def _import_8bit_adamw() -> Any:
+    try:
+        import bitsandbytes as bnb  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ConfigError(
+            f"optimizer.kind=adamw_8bit needs bitsandbytes, which is not installed ({e}); "
+            f"{OPTIM_EXTRA}, or use optimizer=adamw."
+        ) from e
+    return bnb.optim.AdamW8bit
+
+
+def _import_apollo() -> Any:
+    try:
+        from apollo_torch import APOLLOAdamW  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ConfigError(
+            f"optimizer.kind=apollo needs apollo-torch, which is not installed ({e}); "
+            f"{OPTIM_EXTRA}, or use optimizer=adamw."
+        ) from e
+    return APOLLOAdamW
+
+
+def _apollo_groups(cfg: ApolloConfig, params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """APOLLO's two parameter groups: the matrices get the low-rank options, the rest (norms)
+    plain Adam updates (its projector only handles 2-d tensors)."""
+    matrices = [p for p in params if p.ndim == 2]
+    others = [p for p in params if p.ndim != 2]
+    low_rank = {
+        "params": matrices,
+        "rank": cfg.rank,
+        "proj": cfg.proj.value,
+        "scale_type": cfg.scale_type.value,
+        "scale": cfg.scale,
+        "update_proj_gap": cfg.update_proj_gap,
+        "proj_type": cfg.proj_type.value,
+    }
+    return [group for group in ({"params": others}, low_rank) if group["params"]]
+
+
+def make_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.kind`` names, over ``params`` (the trainable ones)."""
+    betas = (cfg.betas[0], cfg.betas[1])
+    common: dict[str, Any] = {
+        "lr": cfg.lr,
+        "betas": betas,
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+    }
+    if cfg.kind == OptimizerKind.adamw:
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if sharded:
+        # Both libraries update the local tensor as if it were the whole matrix (bitsandbytes
+        # through raw pointers, APOLLO's projections from its shape): not checked with FSDP2.
+        raise ConfigError(
+            f"optimizer.kind={cfg.kind.value} is not supported with the draft sharded over "
+            f"several ranks (FSDP2); use optimizer=adamw, or train on one process."
+        )
+    if cfg.kind == OptimizerKind.adamw_8bit:
+        optimizer: torch.optim.Optimizer = _import_8bit_adamw()(params, **common)
+        return optimizer
+    apollo = _import_apollo()
+    optimizer = apollo(
+        _apollo_groups(cfg.apollo, params),
+        **common,
+        scale_front=cfg.apollo.scale_front,
+        disable_nl=cfg.apollo.disable_nl,
+    )
+    return optimizer
+
+
 def build_optimizer(
     cfg: OptimizerConfig, model: torch.nn.Module, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer over the trainable parameters and its warmup + cosine schedule (the same
+    for every kind; gradient clipping at ``cfg.max_grad_norm`` is the trainer's)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=(cfg.betas[0], cfg.betas[1]),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-    )
+    optimizer = make_optimizer(cfg, params)
     warmup_steps = int(cfg.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, total_steps, warmup_steps, cfg.min_lr_ratio)

@@ -1,15 +1,28 @@
-"""The learning-rate schedule (linear warmup, then cosine to min_lr_ratio) and the optimizer
-config's validation."""
+"""The learning-rate schedule (linear warmup, then cosine to min_lr_ratio), the optimizer
+config's validation, the three optimizer kinds and fp32 master weights on the tiny draft."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
+from tiny_drafts import random_batch, tiny_draft
 
+from eagleforge.config import compose_config, to_typed
+from eagleforge.draft.model import Eagle3Draft
+from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.errors import ConfigError
-from eagleforge.optim import OptimizerConfig, build_optimizer, warmup_cosine
+from eagleforge.optim import (
+    ApolloConfig,
+    ApolloScaleType,
+    OptimizerConfig,
+    OptimizerKind,
+    apply_master_dtype,
+    build_optimizer,
+    warmup_cosine,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -69,6 +82,8 @@ def test_build_optimizer_follows_schedule_and_skips_frozen() -> None:
         ({"warmup_ratio": -0.1}, "optimizer.warmup_ratio"),
         ({"min_lr_ratio": 1.5}, "optimizer.min_lr_ratio"),
         ({"max_grad_norm": -1.0}, "optimizer.max_grad_norm"),
+        ({"betas": [0.9]}, "optimizer.betas"),
+        ({"betas": [0.9, 1.0]}, "optimizer.betas"),
     ],
 )
 def test_config_errors_name_the_field(kwargs: dict, field: str) -> None:
@@ -80,3 +95,167 @@ def test_config_errors_name_the_field(kwargs: dict, field: str) -> None:
 def test_default_config_is_valid() -> None:
     """The defaults construct without error and have a positive lr."""
     assert OptimizerConfig().lr > 0
+
+
+# --- optimizer kinds and fp32 master weights -------------------------------------------------
+
+
+def _train(cfg: OptimizerConfig, num_steps: int = 8) -> tuple[list[float], Eagle3Draft, dict]:
+    """A few full optimizer steps of the tiny draft on one fixed batch, with the schedule and
+    clipping the trainer uses; the losses, the draft and its weights before training."""
+    torch.manual_seed(0)
+    draft = tiny_draft()
+    apply_master_dtype(draft, cfg)
+    before = {k: v.detach().clone() for k, v in draft.named_parameters() if v.requires_grad}
+    batch = random_batch(draft.arch, seed=1, padded_row=1, real_length=9)
+    optimizer, scheduler = build_optimizer(cfg, draft, total_steps=num_steps)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    scale_k = loss_scales(count_positions(batch, 2), step_weights(2, 0.8, torch.device("cpu")))
+    losses = []
+    for _ in range(num_steps):
+        optimizer.zero_grad(set_to_none=True)
+        stats = ttt_forward(draft, batch, 2, scale_k)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(stats.loss.detach()))
+    return losses, draft, before
+
+
+def _trainable_dtypes(draft: Eagle3Draft) -> set[torch.dtype]:
+    return {p.dtype for p in draft.parameters() if p.requires_grad}
+
+
+def _assert_trains(cfg: OptimizerConfig, dtype: torch.dtype) -> None:
+    """Trainable weights stay in ``dtype``, all of them move, and the loss goes down."""
+    losses, draft, before = _train(cfg)
+    assert _trainable_dtypes(draft) == {dtype}
+    assert draft.embed_tokens.weight.dtype == torch.float32  # frozen: left as it was
+    for name, param in draft.named_parameters():
+        if param.requires_grad:
+            assert not torch.equal(param, before[name]), f"{name} was not updated"
+    assert losses[-1] < losses[0], losses
+
+
+def test_fp32_master_keeps_trainable_weights_fp32() -> None:
+    """fp32_master (the default) stores and updates fp32 trainable weights."""
+    cfg = OptimizerConfig(lr=1e-2, warmup_ratio=0.0)
+    assert cfg.fp32_master
+    _assert_trains(cfg, torch.float32)
+
+
+def test_without_fp32_master_weights_and_state_are_bf16() -> None:
+    """fp32_master=false: the trainable weights (so their grads and AdamW moments) are bf16,
+    updated in place; frozen embedding and buffers unchanged; training still works."""
+    cfg = OptimizerConfig(lr=1e-2, warmup_ratio=0.0, fp32_master=False)
+    _assert_trains(cfg, torch.bfloat16)
+    _, draft, _ = _train(cfg, num_steps=1)
+    assert draft.d2t.dtype == torch.long and draft.inv_freq.dtype == torch.float32
+
+
+def test_apply_master_dtype_keeps_parameter_objects() -> None:
+    """The cast is in place: the Parameters an optimizer or FSDP already holds stay valid."""
+    draft = tiny_draft()
+    params = [p for p in draft.parameters() if p.requires_grad]
+    apply_master_dtype(draft, OptimizerConfig(fp32_master=False))
+    after = [p for p in draft.parameters() if p.requires_grad]
+    assert all(a is b for a, b in zip(params, after, strict=True))
+    assert _trainable_dtypes(draft) == {torch.bfloat16}
+    apply_master_dtype(draft, OptimizerConfig(fp32_master=True))
+    assert _trainable_dtypes(draft) == {torch.float32}
+
+
+def test_adamw_is_torch_adamw() -> None:
+    optimizer, _ = build_optimizer(OptimizerConfig(betas=[0.8, 0.9]), tiny_draft(), 10)
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+@pytest.mark.parametrize("fp32_master", [True, False])
+def test_adamw_8bit_trains_on_cpu(fp32_master: bool) -> None:
+    """bitsandbytes' AdamW8bit on its CPU backend (checked with 0.50.2): 8-bit moments for the
+    large matrices, and the tiny draft learns."""
+    bnb = pytest.importorskip("bitsandbytes")
+    cfg = OptimizerConfig(
+        kind=OptimizerKind.adamw_8bit, lr=1e-2, warmup_ratio=0.0, fp32_master=fp32_master
+    )
+    _assert_trains(cfg, torch.float32 if fp32_master else torch.bfloat16)
+    optimizer, _ = build_optimizer(cfg, tiny_draft(), 10)
+    assert isinstance(optimizer, bnb.optim.AdamW8bit)
+
+
+def test_adamw_8bit_uses_8bit_state_for_large_matrices() -> None:
+    """Matrices of 4096+ elements (bitsandbytes' min_8bit_size) get uint8 moments."""
+    pytest.importorskip("bitsandbytes")
+    model = torch.nn.Linear(64, 64, bias=False)
+    optimizer, _ = build_optimizer(OptimizerConfig(kind=OptimizerKind.adamw_8bit), model, 10)
+    model(torch.randn(4, 64)).square().sum().backward()
+    optimizer.step()
+    assert optimizer.state[model.weight]["state1"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("scale_type", list(ApolloScaleType))
+def test_apollo_trains_on_cpu(scale_type: ApolloScaleType) -> None:
+    """apollo-torch's APOLLOAdamW: the matrices in a low-rank group with our options, the
+    norms in a plain one; the tiny draft learns."""
+    apollo_torch = pytest.importorskip("apollo_torch")
+    cfg = OptimizerConfig(
+        kind=OptimizerKind.apollo,
+        lr=1e-2,
+        warmup_ratio=0.0,
+        apollo=ApolloConfig(rank=4, scale_type=scale_type, scale=1.0, update_proj_gap=3),
+    )
+    _assert_trains(cfg, torch.float32)
+    draft = tiny_draft()
+    optimizer, _ = build_optimizer(cfg, draft, 10)
+    assert isinstance(optimizer, apollo_torch.APOLLOAdamW)
+    plain, low_rank = optimizer.param_groups
+    assert all(p.ndim == 1 for p in plain["params"])
+    assert all(p.ndim == 2 for p in low_rank["params"])
+    assert len(plain["params"]) + len(low_rank["params"]) == len(
+        [p for p in draft.parameters() if p.requires_grad]
+    )
+    assert (low_rank["rank"], low_rank["scale_type"], low_rank["update_proj_gap"]) == (
+        4,
+        scale_type.value,
+        3,
+    )
+    assert (low_rank["proj"], low_rank["proj_type"], low_rank["scale"]) == ("random", "std", 1.0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "module"), [("adamw_8bit", "bitsandbytes"), ("apollo", "apollo_torch")]
+)
+def test_missing_package_names_the_extra(
+    kind: str, module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the library: one ConfigError naming the field and the extra to install."""
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+    cfg = OptimizerConfig(kind=OptimizerKind(kind))
+    with pytest.raises(ConfigError, match=rf"optimizer\.kind={kind}.*eagleforge\[optim\]"):
+        build_optimizer(cfg, tiny_draft(), 10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rank": 0}, "optimizer.apollo.rank"),
+        ({"update_proj_gap": 0}, "optimizer.apollo.update_proj_gap"),
+        ({"scale": 0.0}, "optimizer.apollo.scale"),
+    ],
+)
+def test_apollo_config_errors_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        ApolloConfig(**kwargs)
+
+
+@pytest.mark.parametrize("choice", ["adamw", "adamw_8bit", "apollo"])
+def test_optimizer_group_files(choice: str) -> None:
+    """Each conf/optimizer file picks its kind and keeps adamw.yaml's shared settings."""
+    typed = to_typed(compose_config(["+model=tiny", f"optimizer={choice}", "output_dir=/tmp/x"]))
+    assert typed.optimizer.kind == OptimizerKind(choice)
+    assert typed.optimizer.fp32_master is True
+    assert typed.optimizer.max_grad_norm == 0.5 and typed.optimizer.lr == 1e-4
+    if choice == "apollo":
+        assert typed.optimizer.apollo == ApolloConfig()
