@@ -216,7 +216,66 @@ def make_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter]) -> to
         scale_front=cfg.apollo.scale_front,
         disable_nl=cfg.apollo.disable_nl,
     )
+    _seed_projectors_lazily(optimizer)
+    optimizer.register_state_dict_post_hook(_projectors_to_tensors)
+    optimizer.register_load_state_dict_post_hook(_projectors_from_tensors)
     return optimizer
+
+
+def _seed_projectors_lazily(optimizer: torch.optim.Optimizer) -> None:
+    """APOLLO's constructor stores each parameter's projection seed in the optimizer state; a
+    non-empty state before the first step stops torch.distributed.checkpoint from setting the
+    state up to load into (resume fails). Keep the seeds aside and hand them to the projector
+    when APOLLO first builds it."""
+    seeds = {id(p): state.pop("seed") for p, state in optimizer.state.items() if "seed" in state}
+    optimizer.state.clear()
+    build_projector = optimizer._initialize_projector  # type: ignore[attr-defined]
+
+    def initialize_projector(group: dict[str, Any], param_state: dict[str, Any]) -> Any:
+        if "seed" not in param_state:
+            param = next(p for p, s in optimizer.state.items() if s is param_state)
+            param_state = {**param_state, "seed": seeds[id(param)]}
+        return build_projector(group, param_state)
+
+    optimizer._initialize_projector = initialize_projector  # type: ignore[attr-defined]
+
+
+# APOLLO keeps each matrix's projector (a Python object) in its optimizer state, which neither
+# torch.distributed.checkpoint's state dicts nor torch.load(weights_only=True) accept: state
+# dicts hold its current matrix (a tensor) and seed (an int) instead, and loading rebuilds it, so a
+# resumed run projects exactly as the uninterrupted one.
+_MATRIX, _SEED = "projector_matrix", "projector_seed"
+
+
+def _projectors_to_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    states = state_dict["state"]
+    for key, param_state in list(states.items()):
+        projector = param_state.get("projector")
+        if projector is None or projector.ortho_matrix is None:
+            continue
+        # a new dict: state_dict() shares the per-parameter dicts with the live optimizer
+        saved = {k: v for k, v in param_state.items() if k != "projector"}
+        saved[_MATRIX] = projector.ortho_matrix
+        if hasattr(projector, "seed"):
+            # an int, not a tensor: load_state_dict casts float-param state tensors to float
+            saved[_SEED] = int(projector.seed)
+        states[key] = saved
+
+
+def _projectors_from_tensors(optimizer: torch.optim.Optimizer) -> None:
+    # runs after load_state_dict has moved the saved tensors to each parameter's device
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param_state = optimizer.state.get(param, {})
+            if _MATRIX not in param_state:
+                continue
+            build_projector = optimizer._initialize_projector  # type: ignore[attr-defined]
+            projector = build_projector(group, param_state)
+            projector.ortho_matrix = param_state.pop(_MATRIX)
+            seed = param_state.pop(_SEED, None)
+            if seed is not None:
+                projector.seed = int(seed)
+            param_state["projector"] = projector
 
 
 def build_optimizer(

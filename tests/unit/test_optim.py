@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from tiny_drafts import random_batch, tiny_draft
 
+from eagleforge.checkpoint import load_checkpoint, save_checkpoint
 from eagleforge.config import compose_config, to_typed
-from eagleforge.draft.model import Eagle3Draft
+from eagleforge.draft.model import AttentionBackend, Eagle3Draft
 from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.errors import ConfigError
 from eagleforge.optim import (
@@ -23,6 +26,9 @@ from eagleforge.optim import (
     build_optimizer,
     warmup_cosine,
 )
+from eagleforge.parallel import ParallelDims
+from eagleforge.parallel.dist import World
+from eagleforge.parallel.fsdp import TTTModule
 
 pytestmark = pytest.mark.unit
 
@@ -259,3 +265,49 @@ def test_optimizer_group_files(choice: str) -> None:
     assert typed.optimizer.max_grad_norm == 0.5 and typed.optimizer.lr == 1e-4
     if choice == "apollo":
         assert typed.optimizer.apollo == ApolloConfig()
+
+
+@pytest.mark.parametrize("fp32_master", [True, False])
+@pytest.mark.parametrize("kind", list(OptimizerKind))
+def test_resume_continues_exactly(kind: OptimizerKind, fp32_master: bool, tmp_path: Path) -> None:
+    """Every kind checkpoints through the trainer's checkpoint code (APOLLO's projectors as
+    tensors, loadable with weights_only=True) and a resumed run takes the same steps as the
+    uninterrupted one, past a fresh APOLLO projection (update_proj_gap=2)."""
+    pytest.importorskip({"adamw_8bit": "bitsandbytes", "apollo": "apollo_torch"}.get(kind, "torch"))
+    cfg = OptimizerConfig(
+        kind=kind,
+        lr=1e-2,
+        warmup_ratio=0.0,
+        fp32_master=fp32_master,
+        apollo=ApolloConfig(rank=4, scale=1.0, update_proj_gap=2),
+    )
+    world = World(torch.device("cpu"), ParallelDims())
+    batch = random_batch(tiny_draft().arch, seed=1, padded_row=1, real_length=9)
+    scale_k = loss_scales(count_positions(batch, 2), step_weights(2, 0.8))
+
+    def build() -> tuple[TTTModule, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        draft = tiny_draft()
+        apply_master_dtype(draft, cfg)
+        module = TTTModule(draft, 2, AttentionBackend.eager)
+        return module, *build_optimizer(cfg, module, total_steps=20)
+
+    def steps(module: TTTModule, optimizer: torch.optim.Optimizer, scheduler: Any, n: int) -> list:
+        losses = []
+        for _ in range(n):
+            optimizer.zero_grad(set_to_none=True)
+            loss = module.stats(batch, scale_k).loss
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    module, optimizer, scheduler = build()
+    steps(module, optimizer, scheduler, 3)
+    path = save_checkpoint(
+        tmp_path / "step_3", module, optimizer, scheduler, {"step": 3}, "a: 1\n", world
+    )
+    uninterrupted = steps(module, optimizer, scheduler, 4)
+    module, optimizer, scheduler = build()
+    load_checkpoint(path, module, optimizer, scheduler, world)
+    assert steps(module, optimizer, scheduler, 4) == uninterrupted
