@@ -200,8 +200,9 @@ def make_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter]) -> to
         )
     sharded = [p for p in params if isinstance(p, DTensor)]
     if sharded:
-        # Both libraries update the local tensor as if it were the whole matrix (bitsandbytes
-        # through raw pointers, APOLLO's projections from its shape): not checked with FSDP2.
+        # Neither library handles DTensors: their updates mix the sharded parameter with plain
+        # tensors and stop at the first step ("got mixed torch.Tensor and DTensor", seen with
+        # bitsandbytes 0.50.2 and apollo-torch 1.0.3 on two gloo ranks).
         raise ConfigError(
             f"optimizer.kind={cfg.kind.value} is not supported with the draft sharded over "
             f"several ranks (FSDP2); use optimizer=adamw, or train on one process."

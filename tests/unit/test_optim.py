@@ -311,3 +311,24 @@ def test_resume_continues_exactly(kind: OptimizerKind, fp32_master: bool, tmp_pa
     module, optimizer, scheduler = build()
     load_checkpoint(path, module, optimizer, scheduler, world)
     assert steps(module, optimizer, scheduler, 4) == uninterrupted
+
+
+@pytest.mark.parametrize("kind", [OptimizerKind.adamw_8bit, OptimizerKind.apollo])
+def test_8bit_and_apollo_refuse_a_sharded_draft(kind: OptimizerKind, tmp_path: Path) -> None:
+    """FSDP2 parameters are DTensors, which bitsandbytes and APOLLO cannot update: a ConfigError
+    naming optimizer.kind before training (here a one-rank gloo group makes the DTensors)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(8, 8)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ConfigError, match=rf"optimizer\.kind={kind.value} .*optimizer=adamw"):
+            build_optimizer(OptimizerConfig(kind=kind), model, 10)
+        optimizer, _ = build_optimizer(OptimizerConfig(), model, 10)  # adamw handles DTensors
+        assert type(optimizer) is torch.optim.AdamW
+    finally:
+        dist.destroy_process_group()
