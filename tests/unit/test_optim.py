@@ -106,7 +106,11 @@ def test_default_config_is_valid() -> None:
 # --- optimizer kinds and fp32 master weights -------------------------------------------------
 
 
-def _train(cfg: OptimizerConfig, num_steps: int = 8) -> tuple[list[float], Eagle3Draft, dict]:
+def _train(
+    cfg: OptimizerConfig,
+    num_steps: int = 8,
+    attention: AttentionBackend = AttentionBackend.eager,
+) -> tuple[list[float], Eagle3Draft, dict]:
     """A few full optimizer steps of the tiny draft on one fixed batch, with the schedule and
     clipping the trainer uses; the losses, the draft and its weights before training."""
     torch.manual_seed(0)
@@ -120,7 +124,7 @@ def _train(cfg: OptimizerConfig, num_steps: int = 8) -> tuple[list[float], Eagle
     losses = []
     for _ in range(num_steps):
         optimizer.zero_grad(set_to_none=True)
-        stats = ttt_forward(draft, batch, 2, scale_k)
+        stats = ttt_forward(draft, batch, 2, scale_k, attention=attention)
         stats.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
@@ -133,9 +137,13 @@ def _trainable_dtypes(draft: Eagle3Draft) -> set[torch.dtype]:
     return {p.dtype for p in draft.parameters() if p.requires_grad}
 
 
-def _assert_trains(cfg: OptimizerConfig, dtype: torch.dtype) -> None:
+def _assert_trains(
+    cfg: OptimizerConfig,
+    dtype: torch.dtype,
+    attention: AttentionBackend = AttentionBackend.eager,
+) -> None:
     """Trainable weights stay in ``dtype``, all of them move, and the loss goes down."""
-    losses, draft, before = _train(cfg)
+    losses, draft, before = _train(cfg, attention=attention)
     assert _trainable_dtypes(draft) == {dtype}
     assert draft.embed_tokens.weight.dtype == torch.float32  # frozen: left as it was
     for name, param in draft.named_parameters():
@@ -151,11 +159,13 @@ def test_fp32_master_keeps_trainable_weights_fp32() -> None:
     _assert_trains(cfg, torch.float32)
 
 
-def test_without_fp32_master_weights_and_state_are_bf16() -> None:
+@pytest.mark.parametrize("attention", [AttentionBackend.eager, AttentionBackend.sdpa])
+def test_without_fp32_master_weights_and_state_are_bf16(attention: AttentionBackend) -> None:
     """fp32_master=false: the trainable weights (so their grads and AdamW moments) are bf16,
-    updated in place; frozen embedding and buffers unchanged; training still works."""
+    updated in place; frozen embedding and buffers unchanged; training still works, also
+    through the CPU flash kernel (sdpa, the CPU default) with no autocast."""
     cfg = OptimizerConfig(lr=1e-2, warmup_ratio=0.0, fp32_master=False)
-    _assert_trains(cfg, torch.bfloat16)
+    _assert_trains(cfg, torch.bfloat16, attention)
     _, draft, _ = _train(cfg, num_steps=1)
     assert draft.d2t.dtype == torch.long and draft.inv_freq.dtype == torch.float32
 

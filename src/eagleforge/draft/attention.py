@@ -104,8 +104,9 @@ class _CpuFlashKernel:
         out: torch.Tensor,
         lse_BNT: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the kernel takes its log-sum-exp in fp32 whatever q's dtype (bf16 weights on CPU)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
-            grad_out, q, k, v, out, lse_BNT.to(q.dtype), 0.0, self.mask is None, attn_mask=self.mask
+            grad_out, q, k, v, out, lse_BNT.float(), 0.0, self.mask is None, attn_mask=self.mask
         )
 
 
