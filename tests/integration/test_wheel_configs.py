@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from eagleforge.config import group_choices
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.integration
@@ -65,5 +67,6 @@ def test_cli_without_model_prints_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: No target model chosen: add +model=NAME to the command, one of: "
-        "llama3, qwen3, smollm2, tiny."
+        f"{', '.join(group_choices('model'))}."
     ]
+    assert "llama3, llama3_70b" in proc.stderr  # every conf/model entry, sorted
