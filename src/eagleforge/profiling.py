@@ -69,7 +69,10 @@ class StepProfiler:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.profiler: Any = profile(
             activities=activities,
-            schedule=schedule(wait=wait, warmup=0, active=cfg.num_steps, repeat=1),
+            # the step before the window warms the profiler up, when there is one
+            schedule=schedule(
+                wait=max(wait - 1, 0), warmup=min(wait, 1), active=cfg.num_steps, repeat=1
+            ),
             on_trace_ready=self._ready,
             record_shapes=cfg.record_shapes,
             profile_memory=cfg.profile_memory,
