@@ -84,7 +84,7 @@ def save_checkpoint(
         "optimizer": optimizer_state(module, optimizer),
         "scheduler": scheduler.state_dict(),
         "rng": every_rank_rng_state(world),
-        "progress": dict(progress, data_shards=world.dims.data_shards),
+        "progress": dict(progress),
     }
     world.on_main(
         lambda: _write(final, module.draft.arch, tensors, state, config_yaml),
@@ -180,7 +180,8 @@ def load_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], pat
 
 def _read_state(path: Path) -> dict[str, Any]:
     try:
-        return torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu")
+        # memory-mapped: reading the progress alone does not load the optimizer state
+        return torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu", mmap=True)
     except Exception as e:  # torch raises many types on bad files
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
@@ -201,7 +202,7 @@ def load_checkpoint(
     world: World,
 ) -> dict[str, int]:
     """Restore draft weights, optimizer, scheduler and RNG states on every rank; returns the
-    progress (step, epoch, batches_into_epoch, data_shards). Raises CheckpointError naming a
+    progress (``Trainer.progress()``). Raises CheckpointError naming a
     bad checkpoint. The full state loads into any number of ranks."""
     path = Path(checkpoint_dir)
     state = _read_state(path)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import sys
@@ -34,8 +33,6 @@ from eagleforge.formats import (
     read_draft,
     write_draft,
 )
-
-log = logging.getLogger("eagleforge.export")
 
 
 def _known_target(draft_dir: Path) -> str:

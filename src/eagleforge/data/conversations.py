@@ -90,6 +90,11 @@ def chitchat_source_file() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
 
 
+def source_files(fmt: DataFormat, patterns: list[str]) -> list[Path]:
+    """The files a source reads: the bundled chitchat file, or ``patterns`` expanded."""
+    return [chitchat_source_file()] if fmt == DataFormat.chitchat else expand_sources(patterns)
+
+
 def expand_sources(patterns: list[str]) -> list[Path]:
     """Files and dataset directories named by paths or globs, in a stable order."""
     sources: list[Path] = []
@@ -302,7 +307,7 @@ def preformatted_text(row: Any, where: str) -> str:
 
 def read_conversations(fmt: DataFormat, path: str | None) -> Iterator[tuple[str, Conversation]]:
     """(location, messages) for every conversation of a source; DataError at the first bad row."""
-    files = [] if fmt == DataFormat.chitchat else expand_sources([str(path)])
+    files = source_files(fmt, [str(path)])
     for where, row in read_rows(fmt, files):
         try:
             if isinstance(row, RowError):

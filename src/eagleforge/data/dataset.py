@@ -32,11 +32,10 @@ from eagleforge.data.conversations import (
     RawRow,
     RowError,
     SkipReason,
-    chitchat_source_file,
-    expand_sources,
     normalise_row,
     preformatted_text,
     read_rows,
+    source_files,
 )
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
@@ -403,7 +402,7 @@ def preprocess_source(
     limit: int | None,
 ) -> tuple[TokenizedDataset, DataReport, Path]:
     """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir."""
-    files = [chitchat_source_file()] if fmt == DataFormat.chitchat else expand_sources(patterns)
+    files = source_files(fmt, patterns)
     key_parts = {
         "files": [file_digest(f) for f in files],
         "format": fmt.value,

@@ -32,12 +32,10 @@ from tqdm.auto import tqdm
 
 from eagleforge.data.conversations import (
     Conversation,
-    DataFormat,
     RowError,
-    chitchat_source_file,
-    expand_sources,
     normalise_row,
     read_rows,
+    source_files,
 )
 from eagleforge.data.dataset import DataConfig, OnError
 from eagleforge.errors import ConfigError
@@ -156,11 +154,7 @@ class Row:
 
 def read_input(data: DataConfig, limit: int | None) -> tuple[list[Row], list[dict[str, Any]]]:
     """The conversations to regenerate and the rows that could not be read (data.on_error)."""
-    files = (
-        [chitchat_source_file()]
-        if data.format == DataFormat.chitchat
-        else expand_sources(data.sources())
-    )
+    files = source_files(data.format, data.sources())
     rows: list[Row] = []
     bad: list[dict[str, Any]] = []
     for where, raw in read_rows(data.format, files):
@@ -186,7 +180,8 @@ def chunk_path(chunks_dir: Path, index: int) -> Path:
     return chunks_dir / f"{index:06d}.jsonl"
 
 
-def write_atomically(path: Path, lines: list[str]) -> None:
+def write_lines_atomically(path: Path, lines: list[str]) -> None:
+    """``lines`` as the whole of ``path``, through a temporary file and a rename."""
     tmp = path.with_name(f".tmp-{path.name}")
     with open(tmp, "w") as f:
         f.writelines(line + "\n" for line in lines)
@@ -421,10 +416,10 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
         for index in todo:
             out, failures = regenerate_rows(chunks[index], generate, cfg)
             # failures first: a chunk file is the mark that its failures are recorded too
-            write_atomically(
+            write_lines_atomically(
                 chunks_dir / f"{index:06d}.failed.jsonl", [json.dumps(f) for f in failures]
             )
-            write_atomically(chunk_path(chunks_dir, index), [json.dumps(r) for r in out])
+            write_lines_atomically(chunk_path(chunks_dir, index), [json.dumps(r) for r in out])
             bar.update(len(chunks[index]))
         bar.close()
     seconds = time.perf_counter() - start
@@ -452,7 +447,7 @@ def _join(chunks_dir: Path, num_chunks: int, output: Path) -> int:
     lines = []
     for index in range(num_chunks):
         lines += chunk_path(chunks_dir, index).read_text().splitlines()
-    write_atomically(output, lines)
+    write_lines_atomically(output, lines)
     for index in range(num_chunks):
         chunk_path(chunks_dir, index).unlink()
     return len(lines)
@@ -468,5 +463,5 @@ def _join_failures(
         part.unlink()
     chunks_dir.rmdir()
     if lines:
-        write_atomically(path, lines)
+        write_lines_atomically(path, lines)
     return len(lines)
