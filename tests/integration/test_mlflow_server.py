@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,15 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the shared test helpers
+from ranks import free_port  # noqa: E402
+
 from eagleforge.config import compose_config
 from eagleforge.train import run
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def live_processes_in_group(pgid: int) -> list[str]:

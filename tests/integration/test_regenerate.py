@@ -16,20 +16,15 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the shared test helpers
+from ranks import free_port  # noqa: E402
+
 from eagleforge.config import compose_config, to_typed
 from eagleforge.data.dataset import build_datasets
 from eagleforge.data.regenerate import run
 
 pytestmark = pytest.mark.integration
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "sharegpt_small.jsonl"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
