@@ -35,14 +35,14 @@ from eagleforge.data.features import (
 )
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
-from eagleforge.target.hf import HFTarget
+from eagleforge.target import TargetBackend, build_target
 from eagleforge.target.source import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger("eagleforge.prepare")
 
 
 def expected_manifest(config: EagleForgeConfig, model_dir: Path, target: Any) -> dict[str, Any]:
-    """The manifest fields a store must have for a run with this target (an HFTarget or a
+    """The manifest fields a store must have for a run with this target (a target backend or a
     HeadOnlyTarget): target, weights, layers, template, length."""
     text = target.config.get_text_config()
     return {
@@ -67,7 +67,7 @@ def capture_split(
     store: Path,
     dataset: TokenizedDataset,
     manifest: Manifest,
-    target: HFTarget,
+    target: TargetBackend,
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
@@ -88,7 +88,7 @@ def capture_split(
     lengths = dataset.lengths()
     tokens = sum(sum(lengths[s * per_shard : (s + 1) * per_shard]) for s in todo)
     counts = {"shards": len(todo), "samples": 0, "tokens": 0, "nonfinite": 0}
-    device = target.model.device
+    device = target.lm_head_weight().device
     collate = Collator(pad_token_id=0)
     bar = tqdm(total=tokens, desc=f"capture {store.name}", unit="tok", unit_scale=True)
     for shard in todo:
@@ -136,7 +136,7 @@ def run(config: EagleForgeConfig) -> Path:
     tokenizer = load_tokenizer(config.model, model_dir)
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
     dtype = config.model.dtype.torch_dtype(device)
-    target = HFTarget.from_config(config.model, config.target, model_dir, device)
+    target = build_target(config.model, config.target, model_dir, device)
     fields = expected_manifest(config, Path(model_dir), target)
     splits = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
     per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress)  # type: ignore[call-overload]

@@ -49,8 +49,8 @@ from eagleforge.parallel.usp import SequenceParallel, check_heads, shard_sequenc
 from eagleforge.prepare import expected_manifest
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.probe import TauProbe
+from eagleforge.target import build_target
 from eagleforge.target.head import HeadOnlyTarget
-from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import load_tokenizer, resolve_model_dir
 from eagleforge.target.teacher import teacher_batch
 from eagleforge.tracking import (
@@ -79,7 +79,7 @@ class Inputs:
 
     train: TokenizedDataset | FeatureDataset
     eval: TokenizedDataset | FeatureDataset | None
-    target: Any  # HFTarget online, HeadOnlyTarget offline
+    target: Any  # a target backend online (build_target), HeadOnlyTarget offline
     token_samples: Iterable[tuple[list[int], list[int]]]  # for the draft vocab map
     vocab_cache_dir: Path
     report: DataReport | None  # preprocessing counts (online)
@@ -91,7 +91,7 @@ def online_inputs(
     """Tokenized conversations; the full target runs in every step (split over the tp ranks)."""
     with world.main_first():  # rank 0 fills the tokenized-data cache
         data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
-    target = HFTarget.from_config(
+    target = build_target(
         config.model, config.target, model_dir, world.device, tp_mesh=tp_axis(world.mesh)
     )
     vocab_dir = Path(cache_dir) / "vocab" / data.cache_key

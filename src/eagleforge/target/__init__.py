@@ -2,19 +2,85 @@
 
 A backend turns a batch of token ids into the three aux hidden states and the final (normed)
 hidden state; the teacher is then computed through the target's lm_head (``teacher.py``).
+
+- ``hf`` (``hf.py``): transformers in-process, any decoder-only model, TP via transformers' plan.
+- ``sglang`` (``sglang.py``): SGLang's model runner in-process with its EAGLE-3 aux capture
+  (CUDA, the ``eagleforge[sglang]`` extra).
+- ``custom`` (``custom.py``): our own Llama/Qwen implementation, tensor-parallel over the
+  mesh's tp axis, loading safetensors shard by shard.
+
+``build_target`` picks one from the ``target`` config section.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from eagleforge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from eagleforge.target.source import ModelConfig
 
 
 class TargetBackendKind(str, Enum):
     hf = "hf"  # transformers, in-process
+    sglang = "sglang"  # SGLang's model runner, in-process (CUDA)
+    custom = "custom"  # eagleforge's own tensor-parallel Llama / Qwen
+
+
+@dataclass
+class SGLangConfig:
+    """The `target.sglang` section: options of the SGLang backend (target=sglang). Its
+    tensor-parallel size is `parallel.tp`; anything else SGLang's ServerArgs takes goes in
+    `extra`."""
+
+    # SGLang attention backend (flashinfer | fa3 | triton | torch_native | ...).
+    attention_backend: str = "flashinfer"
+    # Share of GPU memory SGLang reserves for weights and KV cache (0..1); the draft and its
+    # optimizer live in the rest.
+    mem_fraction_static: float = 0.4
+    # Longest sequence SGLang plans for, tokens; null = data.max_length.
+    context_length: int | None = None
+    # Capture CUDA graphs of the target forward (decode-shaped batches only).
+    cuda_graph: bool = False
+    # Piecewise CUDA graphs for prefill-shaped batches (SGLang >= 0.5).
+    piecewise_cuda_graph: bool = False
+    # Largest token count a piecewise CUDA graph is captured for.
+    piecewise_cuda_graph_max_tokens: int = 4096
+    # torch.compile the target forward inside SGLang.
+    torch_compile: bool = False
+    # NVLink SHARP all-reduce (NVLS) for the target's TP collectives.
+    nccl_nvls: bool = False
+    # Symmetric-memory all-reduce for the target's TP collectives.
+    symm_mem: bool = False
+    # Data-parallel attention (MoE / MLA targets).
+    dp_attention: bool = False
+    # Data-parallel lm_head with dp_attention.
+    dp_lm_head: bool = False
+    # Expert-parallel size for MoE targets (1 = no expert parallelism).
+    ep_size: int = 1
+    # Most sequences in one forward; null = the per-rank batch size.
+    max_running_requests: int | None = None
+    # KV-cache pool size in tokens; null = batch size x context length.
+    max_total_tokens: int | None = None
+    # Further sglang ServerArgs fields, passed as given (e.g. {kv_cache_dtype: fp8_e5m2}).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(
+                f"target.sglang.mem_fraction_static={self.mem_fraction_static} must lie in "
+                "(0, 1): the share of GPU memory SGLang keeps for weights and KV cache."
+            )
+        if self.ep_size < 1:
+            raise ConfigError(f"target.sglang.ep_size={self.ep_size} must be at least 1.")
 
 
 @dataclass
@@ -28,9 +94,13 @@ class TargetConfig:
     # Positions per chunk when computing the teacher through the lm_head (bounds the [chunk, V]
     # fp32 logits); null = as many as fit in 32 MiB (262 for a 32k vocab, 65 for 128k).
     teacher_chunk_size: int | None = None
+    # Options of the SGLang backend (target=sglang).
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def supports_packing(self) -> bool:
         """Packed rows need a block-diagonal mask, which these attention implementations take."""
+        if self.backend == TargetBackendKind.custom:
+            return True  # its SDPA always takes an explicit mask
         return self.backend == TargetBackendKind.hf and self.attn_implementation in (
             "sdpa",
             "eager",
@@ -46,7 +116,8 @@ class TargetOutput:
 
 
 class TargetBackend(Protocol):
-    aux_layer_ids: list[int]
+    aux_layer_ids: list[int]  # output-of-layer ids of the captured aux states
+    config: Any  # the target's transformers config (PretrainedConfig)
 
     def forward(
         self,
@@ -59,3 +130,31 @@ class TargetBackend(Protocol):
     def input_embedding(self) -> torch.Tensor: ...
 
     def lm_head_weight(self) -> torch.Tensor: ...
+
+
+def build_target(
+    model_cfg: ModelConfig,
+    target_cfg: TargetConfig,
+    model_dir: str | Path,
+    device: torch.device,
+    aux_layer_ids: list[int] | None = None,
+    tp_mesh: DeviceMesh | None = None,
+) -> Any:  # a TargetBackend
+    """The backend `target.backend` names, loaded from ``model_dir``; ``tp_mesh`` is the run
+    mesh's "tp" axis (None: no tensor parallelism); ``aux_layer_ids`` overrides
+    model.aux_layer_ids."""
+    if target_cfg.backend == TargetBackendKind.sglang:
+        from eagleforge.target.sglang import SGLangTarget
+
+        return SGLangTarget.from_config(
+            model_cfg, target_cfg, model_dir, device, aux_layer_ids, tp_mesh
+        )
+    if target_cfg.backend == TargetBackendKind.custom:
+        from eagleforge.target.custom import CustomTarget
+
+        return CustomTarget.from_config(
+            model_cfg, target_cfg, model_dir, device, aux_layer_ids, tp_mesh
+        )
+    from eagleforge.target.hf import HFTarget
+
+    return HFTarget.from_config(model_cfg, target_cfg, model_dir, device, aux_layer_ids, tp_mesh)
