@@ -26,7 +26,7 @@ from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import ParallelConfig
 from eagleforge.profiling import ProfileConfig
 from eagleforge.speculative.decode import EvalConfig
-from eagleforge.target import TargetConfig
+from eagleforge.target import TargetBackendKind, TargetConfig
 from eagleforge.target.source import ModelConfig
 from eagleforge.tracking import TrackerConfig
 from eagleforge.trainer import TrainerConfig
@@ -93,6 +93,12 @@ class EagleForgeConfig:
             raise ConfigError(
                 "trainer.eval_tau_every_n_steps decodes with the whole target, which offline "
                 "training (data.features) does not load; set it to 0 and run "
+                "eagleforge.evaluate on the saved checkpoints."
+            )
+        if self.trainer.eval_tau_every_n_steps and self.target.backend != TargetBackendKind.hf:
+            raise ConfigError(
+                "trainer.eval_tau_every_n_steps decodes with the transformers target (KV cache), "
+                f"not target.backend={self.target.backend.value}; set it to 0 and run "
                 "eagleforge.evaluate on the saved checkpoints."
             )
         usp = self.draft.attention == AttentionBackend.usp

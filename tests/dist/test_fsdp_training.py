@@ -50,17 +50,23 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 @pytest.mark.parametrize(
     ("packing", "layout"),
-    [("true", "parallel.dp=2"), ("false", "parallel.dp=2"), ("true", "parallel.tp=2")],
+    [
+        ("true", "parallel.dp=2"),
+        ("false", "parallel.dp=2"),
+        ("true", "parallel.tp=2"),
+        ("false", "parallel.tp=2 target=custom"),
+    ],
 )
 def test_two_ranks_train_like_one_process_with_the_same_global_batch(
     tmp_path: Path, packing: str, layout: str
 ) -> None:
-    """dp=2, or tp=2 (one target split over both ranks, each rank its own micro-batch)."""
+    """dp=2, or tp=2 (one target split over both ranks, each rank its own micro-batch; with
+    target=custom against the one-process transformers target)."""
     # 3 steps stay inside the first epoch (at its end a rank short of a batch gets a filler,
     # while one process would start the next epoch)
     common = (f"data.packing={packing}", "trainer.max_num_steps=3")
     one = train(0, overrides(tmp_path / "one", *common, "trainer.grad_accum_steps=2"))
-    ranks = run_ranks(train, 2, overrides(tmp_path / "two", *common, layout))
+    ranks = run_ranks(train, 2, overrides(tmp_path / "two", *common, *layout.split()))
     (losses_0, eval_0, checkpoint), (losses_1, _, _) = ranks
     assert losses_0 == losses_1  # every rank logs the global loss
     torch.testing.assert_close(torch.tensor(losses_0), torch.tensor(one[0]), rtol=1e-4, atol=1e-5)

@@ -1,7 +1,8 @@
-"""Target tensor parallelism (parallel.tp=2) on gloo ranks: transformers shards the tiny random
-Llama over the tp ranks, each rank brings its own micro-batch (other sizes and lengths than its
-peer's, padded or packed), and gets back the aux states, final hidden states and teacher of its
-own rows, as one process with the whole target computes them."""
+"""Target tensor parallelism (parallel.tp=2) on gloo ranks: transformers (target=hf) or our own
+decoder (target=custom) shards the tiny random Llama over the tp ranks, each rank brings its
+own micro-batch (other sizes and lengths than its peer's, padded or packed), and gets back the
+aux states, final hidden states and teacher of its own rows, as one process with the whole
+transformers target computes them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from eagleforge.errors import ConfigError
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import check_tp_fits, tp_axis
-from eagleforge.target import TargetConfig
+from eagleforge.target import TargetBackendKind, TargetConfig, build_target
 from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import ModelConfig, resolve_model_dir
 from eagleforge.target.teacher import compute_teacher
@@ -59,12 +60,19 @@ def _outputs(target: HFTarget, batch: Batch) -> list[np.ndarray]:
     return [t.numpy() for t in tensors]
 
 
-def _tp_rank(rank: int, model_cfg: ModelConfig, model_dir: Path, dp: int) -> tuple:
+def _tp_rank(
+    rank: int, model_cfg: ModelConfig, model_dir: Path, dp: int, backend: TargetBackendKind
+) -> tuple:
     world = init_distributed(ParallelConfig(device="cpu", dp=dp, tp=2))
-    target = HFTarget.from_config(
-        model_cfg, TargetConfig(), model_dir, world.device, tp_mesh=tp_axis(world.mesh)
+    target = build_target(
+        model_cfg,
+        TargetConfig(backend=backend),
+        model_dir,
+        world.device,
+        tp_mesh=tp_axis(world.mesh),
     )
-    q_proj = target.layers[0].self_attn.q_proj.weight
+    layers = target.decoder.layers if backend == TargetBackendKind.custom else target.layers
+    q_proj = layers[0].self_attn.q_proj.weight
     shard = tuple(q_proj.to_local().shape) if hasattr(q_proj, "to_local") else None
     shard_of = world.data_rank % 2  # with dp=2 the second tp group repeats the first's batches
     return shard, shard_of, [_outputs(target, batch) for batch in BATCHES[shard_of]]
@@ -87,14 +95,18 @@ def _check_against_one_process(ranks: list[tuple], model_dir: Path) -> None:
                 np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_each_tp_rank_gets_its_own_rows(tiny: tuple[ModelConfig, Path]) -> None:
+@pytest.mark.parametrize("backend", [TargetBackendKind.hf, TargetBackendKind.custom])
+def test_each_tp_rank_gets_its_own_rows(
+    tiny: tuple[ModelConfig, Path], backend: TargetBackendKind
+) -> None:
     model_cfg, model_dir = tiny
-    _check_against_one_process(run_ranks(_tp_rank, 2, model_cfg, model_dir, 1), model_dir)
+    ranks = run_ranks(_tp_rank, 2, model_cfg, model_dir, 1, backend)
+    _check_against_one_process(ranks, model_dir)
 
 
 def test_tp_groups_beside_data_parallel_ranks(tiny: tuple[ModelConfig, Path]) -> None:
     model_cfg, model_dir = tiny
-    ranks = run_ranks(_tp_rank, 4, model_cfg, model_dir, 2)
+    ranks = run_ranks(_tp_rank, 4, model_cfg, model_dir, 2, TargetBackendKind.hf)
     assert [r[1] for r in ranks] == [0, 1, 0, 1]
     _check_against_one_process(ranks, model_dir)
 

@@ -1,7 +1,8 @@
 """Target tensor parallelism (``parallel.tp``): tp ranks hold one target and run it together.
 
-The target is sharded by transformers' own tensor-parallel plan (``base_model_tp_plan``,
-DTensor), over the "tp" axis of the run's mesh; each rank reads only its shards from disk.
+With target=hf the target is sharded by transformers' own tensor-parallel plan
+(``base_model_tp_plan``, DTensor), with target=custom by ``parallelize_decoder``; both over the
+"tp" axis of the run's mesh, and each rank reads only its shards from disk.
 Every rank keeps its own micro-batch: before a forward the tp group gathers its micro-batches
 into one batch (``gather_group_batch``), runs the target once on it, and each rank keeps the
 rows it brought (``GroupBatch.own``).
@@ -32,9 +33,9 @@ def tp_axis(mesh: DeviceMesh | None) -> DeviceMesh | None:
     return mesh["tp"]
 
 
-def check_tp_fits(config: Any, tp: int) -> None:
-    """ConfigError unless a target with this transformers config can be split over ``tp`` ranks."""
-    text = config.get_text_config()
+def check_heads_fit(text: Any, tp: int) -> None:
+    """ConfigError unless ``tp`` ranks can split the attention heads, key/value heads and MLP
+    width of a decoder with this (text) config."""
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     if heads % tp or kv_heads % tp:
@@ -43,12 +44,46 @@ def check_tp_fits(config: Any, tp: int) -> None:
             f"parallel.tp={tp} must divide the target's {heads} attention heads and "
             f"{kv_heads} key/value heads; use one of {fits}."
         )
+    width = int(getattr(text, "intermediate_size", 0) or 0)
+    if width % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} must divide the target's MLP width {width}; choose another tp."
+        )
+
+
+def check_tp_fits(config: Any, tp: int) -> None:
+    """ConfigError unless transformers can split a target with this config over ``tp`` ranks."""
+    text = config.get_text_config()
+    check_heads_fit(text, tp)
     plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
     if not plan:
         raise ConfigError(
             f"parallel.tp={tp}: transformers has no tensor-parallel plan for model type "
             f"'{text.model_type}' (its config's base_model_tp_plan is empty); use parallel.tp=1."
         )
+
+
+def parallelize_decoder(decoder: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split each layer of eagleforge's own decoder (``target.custom.Decoder``) over ``tp_mesh``:
+    q/k/v and gate/up by output rows, o_proj and down_proj by input columns with their
+    partial sums all-reduced. Embedding and norms stay whole."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in decoder.layers:  # type: ignore[union-attr]
+        parallelize_module(layer, tp_mesh, plan)  # type: ignore[arg-type]
 
 
 class _TPAxis:

@@ -14,6 +14,7 @@ hidden state; the teacher is then computed through the target's lm_head (``teach
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -130,6 +131,28 @@ class TargetBackend(Protocol):
     def input_embedding(self) -> torch.Tensor: ...
 
     def lm_head_weight(self) -> torch.Tensor: ...
+
+
+def forward_over_group(
+    tp_mesh: DeviceMesh | None,
+    forward: Callable[..., TargetOutput],
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    document_ids_BT: torch.Tensor | None,
+    position_ids_BT: torch.Tensor | None,
+) -> TargetOutput:
+    """``forward`` on this rank's batch, or, with a tp mesh, once on the tp group's batches
+    together (a collective: every tp rank calls it in step), each rank keeping its own rows."""
+    batch = (input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT)
+    if tp_mesh is None:
+        return forward(*batch)
+    from eagleforge.parallel.tp import gather_group_batch
+
+    group = gather_group_batch(tp_mesh, *batch)
+    out = forward(
+        group.input_ids_BT, group.attention_mask_BT, group.document_ids_BT, group.position_ids_BT
+    )
+    return TargetOutput(group.own(out.aux_BTA), group.own(out.final_hidden_BTH))
 
 
 def build_target(

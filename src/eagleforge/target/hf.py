@@ -16,15 +16,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from eagleforge.draft.attention import ttt_attention_mask
 from eagleforge.errors import ConfigError
-from eagleforge.parallel.tp import (
-    check_tp_fits,
-    full_weight,
-    gather_group_batch,
-    load_tensor_parallel,
-)
-from eagleforge.target import TargetConfig, TargetOutput
+from eagleforge.parallel.tp import check_tp_fits, full_weight, load_tensor_parallel
+from eagleforge.target import TargetConfig, TargetOutput, forward_over_group
+from eagleforge.target.masks import attention_masks, sliding_windows
 from eagleforge.target.source import ModelConfig, default_aux_layer_ids
 
 
@@ -144,18 +139,8 @@ class HFTarget:
         causal mask and per-document positions, so documents never see each other.
 
         With a tp mesh every tp rank must call this (with its own micro-batch) in step."""
-        if self.tp_mesh is None:
-            return self._forward(input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT)
-        group = gather_group_batch(
-            self.tp_mesh, input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT
-        )
-        out = self._forward(
-            group.input_ids_BT,
-            group.attention_mask_BT,
-            group.document_ids_BT,
-            group.position_ids_BT,
-        )
-        return TargetOutput(group.own(out.aux_BTA), group.own(out.final_hidden_BTH))
+        batch = (input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT)
+        return forward_over_group(self.tp_mesh, self._forward, *batch)
 
     def _forward(
         self,
@@ -166,10 +151,9 @@ class HFTarget:
     ) -> TargetOutput:
         self._captured.clear()
         base = self.model.get_decoder()
-        mask: torch.Tensor = attention_mask_BT
+        mask: torch.Tensor | dict[str, torch.Tensor] = attention_mask_BT
         if document_ids_BT is not None:
-            # the TTT's step-0 mask: causal, within each document
-            mask = ttt_attention_mask(attention_mask_BT, 1, document_ids_BT).unsqueeze(1)
+            mask = self._packed_mask(attention_mask_BT, document_ids_BT, position_ids_BT)
         out = base(
             input_ids=input_ids_BT,
             attention_mask=mask,
@@ -177,6 +161,34 @@ class HFTarget:
             use_cache=False,
         )
         return TargetOutput(aux_BTA=self.take_aux(), final_hidden_BTH=out.last_hidden_state)
+
+    def _packed_mask(
+        self,
+        attention_mask_BT: torch.Tensor,
+        document_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor | None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The mask of packed rows: causal within each document (the TTT's step-0 mask) and
+        within the sliding window of sliding layers. transformers uses a 4-D mask as given,
+        so the window is applied here: one mask, or one per layer type for models that mix
+        full and sliding layers."""
+        text = self.config.get_text_config()
+        kinds = set(getattr(text, "layer_types", None) or ())
+        if kinds - {"full_attention", "sliding_attention"}:
+            raise ConfigError(
+                f"data.packing: target=hf cannot mask packed documents for '{text.model_type}' "
+                f"layers of kinds {sorted(kinds)}; set data.packing=false."
+            )
+        if position_ids_BT is None:
+            position_ids_BT = torch.arange(
+                attention_mask_BT.shape[1], device=attention_mask_BT.device
+            ).expand_as(attention_mask_BT)
+        windows = sliding_windows(text)
+        masks = attention_masks(attention_mask_BT, document_ids_BT, position_ids_BT, set(windows))
+        if len(set(windows)) == 1:
+            return masks[windows[0]]  # type: ignore[return-value]  # never None when packed
+        sliding = next(w for w in windows if w is not None)
+        return {"full_attention": masks[None], "sliding_attention": masks[sliding]}  # type: ignore[dict-item]
 
     def take_aux(self) -> torch.Tensor:
         """The aux states [B, T, 3H] the hooks captured in the last forward of the model (also
