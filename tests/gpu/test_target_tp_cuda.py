@@ -1,6 +1,7 @@
-"""Target tensor parallelism on 2 GPUs with nccl (the CPU/gloo twin is tests/dist/test_target_tp.py):
-each tp rank gets the aux states, final hidden states and teacher of its own micro-batch, as
-one GPU with the whole target computes them."""
+"""Target tensor parallelism on 2 GPUs with nccl (the CPU/gloo twin is tests/dist/test_target_tp.py),
+with transformers' plan (target=hf) and our own decoder (target=custom): each tp rank gets the
+aux states, final hidden states and teacher of its own micro-batch, as one GPU with the whole
+transformers target computes them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import tp_axis
-from eagleforge.target import TargetConfig
+from eagleforge.target import TargetBackendKind, TargetConfig, build_target
 from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import ModelConfig, resolve_model_dir
 from eagleforge.target.teacher import compute_teacher
@@ -62,22 +63,32 @@ def _outputs(target: HFTarget, batch: Batch, device: torch.device) -> list[np.nd
     return [t.cpu().numpy() for t in tensors]
 
 
-def _tp_rank(rank: int, model_cfg: ModelConfig, model_dir: Path) -> tuple:
+def _tp_rank(
+    rank: int, model_cfg: ModelConfig, model_dir: Path, backend: TargetBackendKind
+) -> tuple:
     world = init_distributed(ParallelConfig(device="cuda", tp=2))
-    target = HFTarget.from_config(
-        model_cfg, TargetConfig(), model_dir, world.device, tp_mesh=tp_axis(world.mesh)
+    target = build_target(
+        model_cfg,
+        TargetConfig(backend=backend),
+        model_dir,
+        world.device,
+        tp_mesh=tp_axis(world.mesh),
     )
-    q_proj = target.layers[0].self_attn.q_proj.weight
+    layers = target.decoder.layers if backend == TargetBackendKind.custom else target.layers
+    q_proj = layers[0].self_attn.q_proj.weight
     local = q_proj.to_local()
     assert local.device == world.device and torch.distributed.get_backend() == "nccl"
     return tuple(local.shape), [_outputs(target, b, world.device) for b in _batches(rank)]
 
 
-def test_tp_on_two_gpus_gives_each_rank_its_own_rows(cache_dir: Path) -> None:
+@pytest.mark.parametrize("backend", [TargetBackendKind.hf, TargetBackendKind.custom])
+def test_tp_on_two_gpus_gives_each_rank_its_own_rows(
+    cache_dir: Path, backend: TargetBackendKind
+) -> None:
     overrides = ["+model=tiny", "model.dtype=float32", "output_dir=unused"]
     model_cfg = to_typed(compose_config(overrides)).model
     model_dir = Path(resolve_model_dir(model_cfg, cache_dir))
-    ranks = run_ranks(_tp_rank, 2, model_cfg, model_dir)
+    ranks = run_ranks(_tp_rank, 2, model_cfg, model_dir, backend)
     device = torch.device("cuda", 0)
     whole = HFTarget.from_pretrained(model_dir, TargetConfig(), torch.float32, device)
     for rank, (shard, outputs) in enumerate(ranks):

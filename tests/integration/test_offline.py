@@ -180,3 +180,13 @@ def test_offline_equals_online_on_smollm2(tmp_path: Path) -> None:
         torch.tensor(offline.train_losses), torch.tensor(online.train_losses), rtol=1e-4, atol=1e-5
     )
     assert offline.final_eval["eval/acc_0"] == pytest.approx(online.final_eval["eval/acc_0"])
+
+
+def test_custom_target_captures_the_same_store(tmp_path: Path, store: Path) -> None:
+    """prepare with target=custom writes what the transformers target writes."""
+    custom = _prepare(tmp_path, tmp_path / "custom", "target=custom")
+    for name in ("train/shard_00000.safetensors", "eval/shard_00000.safetensors"):
+        want, got = load_file(str(store / name)), load_file(str(custom / name))
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
