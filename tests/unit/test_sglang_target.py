@@ -134,7 +134,7 @@ def test_building_on_cpu_is_a_config_error_before_importing_sglang(tmp_path) -> 
 # --- layer ids --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_layers", [6, 28, 30, 32, 36, 80])
+@pytest.mark.parametrize("num_layers", [7, 28, 30, 32, 36, 80])
 def test_default_layers_are_what_sglang_captures_by_default(num_layers: int) -> None:
     ours = default_aux_layer_ids(num_layers)
     theirs = sglang_aux_layer_ids(ours, num_layers)
@@ -147,6 +147,12 @@ def test_default_layers_are_what_sglang_captures_by_default(num_layers: int) -> 
 def test_sglang_layer_ids_for_explicit_ids() -> None:
     assert sglang_aux_layer_ids([0, 5, 28], 30) == [0, 5, 28]
     assert sglang_snapshot_layers([0, 5, 28]) == [1, 6, 29]
+
+
+def test_repeated_layers_are_config_errors() -> None:
+    # a 6-layer target's default [1, 2, 2] repeats layer 2, which SGLang would capture once
+    with pytest.raises(ConfigError, match=r"model\.aux_layer_ids \[1, 2, 2\] repeats a layer"):
+        sglang_aux_layer_ids(default_aux_layer_ids(6), 6)
 
 
 @pytest.mark.parametrize("bad", [29, -1, 40])
@@ -415,7 +421,7 @@ def _target(tied: bool) -> SGLangTarget:
         num_attention_heads=2,
         num_key_value_heads=2,
     )
-    return SGLangTarget(_Runner(tied), config, [1, 2, 2])
+    return SGLangTarget(_Runner(tied), config, [1, 2, 3])
 
 
 @pytest.mark.parametrize("tied", [True, False])

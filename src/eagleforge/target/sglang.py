@@ -114,8 +114,15 @@ def sglang_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]
     that decoder layer, i.e. the output of layer ``id``: the same 0-based output-of-layer
     numbering as ours (and as the exported draft's ``eagle_aux_hidden_state_layer_ids``), so
     the numbers pass unchanged. The last layer's output enters no further layer, so SGLang
-    cannot capture it: ConfigError for that id.
+    cannot capture it: ConfigError for that id. A repeated id is captured once (SGLang tests
+    "is this layer captured", and refuses repeats), so it is a ConfigError too.
     """
+    if len(set(aux_layer_ids)) != len(aux_layer_ids):
+        raise ConfigError(
+            f"model.aux_layer_ids {list(aux_layer_ids)} repeats a layer, which SGLang captures "
+            f"once; set three distinct ids (a {num_layers}-layer target's default repeats one "
+            "when it has fewer than 7 layers)."
+        )
     bad = [i for i in aux_layer_ids if not 0 <= i < num_layers - 1]
     if bad:
         raise ConfigError(
