@@ -411,6 +411,7 @@ class _Runner:
         self.model.model.embed_tokens = torch.nn.Embedding(128, 8)  # vocab 100, padded to 128
         self.model.lm_head = self.model.model.embed_tokens if tied else torch.nn.Embedding(128, 8)
         self.max_total_num_tokens = 16
+        self.model_config = type("SGLangModelConfig", (), {"context_len": 6})()
 
 
 def _target(tied: bool) -> SGLangTarget:
@@ -445,8 +446,15 @@ def test_packed_rows_and_shifted_positions_are_refused() -> None:
 
 def test_a_batch_larger_than_the_kv_pool_names_the_options() -> None:
     target = _target(tied=True)
-    ids_BT, mask_BT = torch.ones(2, 9, dtype=torch.long), torch.ones(2, 9, dtype=torch.bool)
+    ids_BT, mask_BT = torch.ones(3, 6, dtype=torch.long), torch.ones(3, 6, dtype=torch.bool)
     with pytest.raises(ConfigError, match=r"18 tokens does not fit SGLang's KV pool of 16"):
+        target.forward(ids_BT, mask_BT)
+
+
+def test_a_row_longer_than_sglangs_context_names_the_options() -> None:
+    target = _target(tied=True)
+    ids_BT, mask_BT = torch.ones(1, 7, dtype=torch.long), torch.ones(1, 7, dtype=torch.bool)
+    with pytest.raises(ConfigError, match=r"7 tokens is longer than SGLang's context length 6"):
         target.forward(ids_BT, mask_BT)
 
 

@@ -679,6 +679,12 @@ class SGLangTarget:
                 f"{capacity} tokens; raise target.sglang.mem_fraction_static or "
                 "target.sglang.max_total_tokens, or lower the batch size."
             )
+        context = getattr(getattr(self.runner, "model_config", None), "context_len", None)
+        if isinstance(context, int) and max(layout.lengths, default=0) > context:
+            raise ConfigError(
+                f"a sequence of {max(layout.lengths)} tokens is longer than SGLang's context "
+                f"length {context}; raise target.sglang.context_length or lower data.max_length."
+            )
         slots = getattr(getattr(self.runner, "req_to_token_pool", None), "size", None)
         rows = sum(1 for n in layout.lengths if n > 0)
         if isinstance(slots, int) and rows > slots:
