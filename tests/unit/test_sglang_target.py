@@ -20,6 +20,7 @@ from eagleforge.target.sglang import (
     RowLayout,
     SGLangRanks,
     SGLangTarget,
+    aux_in_our_order,
     nccl_environment,
     plan_ranks,
     rows_to_sequences,
@@ -153,6 +154,14 @@ def test_repeated_layers_are_config_errors() -> None:
     # a 6-layer target's default [1, 2, 2] repeats layer 2, which SGLang would capture once
     with pytest.raises(ConfigError, match=r"model\.aux_layer_ids \[1, 2, 2\] repeats a layer"):
         sglang_aux_layer_ids(default_aux_layer_ids(6), 6)
+
+
+def test_aux_blocks_follow_our_id_order() -> None:
+    # SGLang's output: the states of layers 1, 14, 26 (layer order), width 2 each
+    sglang_NA = torch.tensor([[1.0, 1.0, 14.0, 14.0, 26.0, 26.0]])
+    assert torch.equal(aux_in_our_order(sglang_NA, [1, 14, 26]), sglang_NA)
+    reordered = aux_in_our_order(sglang_NA, [26, 1, 14])
+    assert torch.equal(reordered, torch.tensor([[26.0, 26.0, 1.0, 1.0, 14.0, 14.0]]))
 
 
 @pytest.mark.parametrize("bad", [29, -1, 40])

@@ -140,6 +140,18 @@ def sglang_snapshot_layers(sglang_ids: list[int]) -> list[int]:
     return [i + 1 for i in sglang_ids]
 
 
+def aux_in_our_order(aux_NA: torch.Tensor, aux_layer_ids: list[int]) -> torch.Tensor:
+    """SGLang concatenates the captured states in layer order (it collects them as its layer
+    loop passes); ours follow ``aux_layer_ids`` as given (like the hf backend and the exported
+    draft's fc input). Reorder the [.., 3H] blocks when the ids are not ascending."""
+    ranked = sorted(aux_layer_ids)
+    order = [ranked.index(i) for i in aux_layer_ids]
+    if order == list(range(len(order))):
+        return aux_NA
+    blocks = aux_NA.chunk(len(order), dim=-1)
+    return torch.cat([blocks[j] for j in order], dim=-1)
+
+
 # --- padded rows <-> SGLang's flat token layout -------------------------------------------------
 
 
@@ -665,6 +677,7 @@ class SGLangTarget:
                 sequences_to_rows(empty_NH, layout),
             )
         aux_NA, final_NH = _prefill(self.runner, sequences)
+        aux_NA = aux_in_our_order(aux_NA, self.aux_layer_ids)
         return TargetOutput(
             aux_BTA=sequences_to_rows(aux_NA, layout),
             final_hidden_BTH=sequences_to_rows(final_NH, layout),
