@@ -81,9 +81,14 @@ def main() -> None:
             peak = round(torch.cuda.max_memory_allocated() / 2**20) if cuda else None
             tokens = int(batch[1].sum())
             rows.append(
-                {"backend": backend, "layout": layout, "load_s": round(load_s, 2),
-                 "ms": round(seconds * 1e3, 1), "tokens_per_s": round(tokens / seconds),
-                 "peak_mib": peak}  # fmt: skip
+                {
+                    "backend": backend,
+                    "layout": layout,
+                    "load_s": round(load_s, 2),
+                    "ms": round(seconds * 1e3, 1),
+                    "tokens_per_s": round(tokens / seconds),
+                    "peak_mib": peak,
+                }  # fmt: skip
             )
         del target
     print(f"SmolLM2-135M on {device} ({str(dtype).removeprefix('torch.')}), "

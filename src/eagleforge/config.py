@@ -23,7 +23,7 @@ from eagleforge.draft.model import AttentionBackend, DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.formats import ExportConfig
 from eagleforge.optim import OptimizerConfig
-from eagleforge.parallel import ParallelConfig
+from eagleforge.parallel import DeviceKind, ParallelConfig
 from eagleforge.profiling import ProfileConfig
 from eagleforge.speculative.decode import EvalConfig
 from eagleforge.target import TargetBackendKind, TargetConfig
@@ -101,6 +101,8 @@ class EagleForgeConfig:
                 f"not target.backend={self.target.backend.value}; set it to 0 and run "
                 "eagleforge.evaluate on the saved checkpoints."
             )
+        if self.target.backend == TargetBackendKind.sglang:
+            self._check_sglang(offline)
         usp = self.draft.attention == AttentionBackend.usp
         if parallel.sp > 1 and not (usp and offline):
             raise ConfigError(
@@ -112,6 +114,23 @@ class EagleForgeConfig:
             raise ConfigError(
                 "draft.attention=usp needs parallel.sp_ulysses x sp_ring > 1; set them, or "
                 "choose another draft.attention."
+            )
+
+    def _check_sglang(self, offline: bool) -> None:
+        """target=sglang: what its code paths cannot do (offline training never loads the
+        target, so nothing applies there)."""
+        if offline:
+            return
+        if self.parallel.device == DeviceKind.cpu:
+            raise ConfigError(
+                "target.backend=sglang runs on CUDA only, but parallel.device=cpu; use "
+                "target=hf on CPU, or parallel.device=cuda|auto on a GPU machine."
+            )
+        if self.data.packing:
+            raise ConfigError(
+                "data.packing=true packs conversations into one row, which target.backend=sglang "
+                "cannot run (it sends each row to SGLang as one sequence); set data.packing=false "
+                "or null, or use target=hf."
             )
 
     def resolved_cache_dir(self) -> Path:

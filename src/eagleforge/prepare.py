@@ -130,7 +130,8 @@ def run(config: EagleForgeConfig) -> Path:
             "prepare.output_dir is not set: give the directory for the feature store."
         )
     out = Path(cfg.output_dir)
-    device = resolve_device(config.parallel)
+    # under torchrun each rank captures on its own GPU (a target backend each, no process group)
+    device = resolve_device(config.parallel, int(os.environ.get("LOCAL_RANK", 0)))
     cache_dir = config.resolved_cache_dir()
     model_dir = resolve_model_dir(config.model, cache_dir)
     tokenizer = load_tokenizer(config.model, model_dir)

@@ -38,38 +38,41 @@ class TargetBackendKind(str, Enum):
 
 @dataclass
 class SGLangConfig:
-    """The `target.sglang` section: options of the SGLang backend (target=sglang). Its
-    tensor-parallel size is `parallel.tp`; anything else SGLang's ServerArgs takes goes in
-    `extra`."""
+    """The `target.sglang` section: options of the SGLang backend (target=sglang, ``sglang.py``).
+    Its tensor-parallel size is `parallel.tp`; anything else SGLang's ServerArgs takes goes in
+    `extra`. Every forward here is a prefill of whole sequences (no decoding, no prefix cache)."""
 
     # SGLang attention backend (flashinfer | fa3 | triton | torch_native | ...).
     attention_backend: str = "flashinfer"
     # Share of GPU memory SGLang reserves for weights and KV cache (0..1); the draft and its
     # optimizer live in the rest.
     mem_fraction_static: float = 0.4
-    # Longest sequence SGLang plans for, tokens; null = data.max_length.
+    # Longest sequence SGLang plans for, tokens; null = the target's own context length.
     context_length: int | None = None
-    # Capture CUDA graphs of the target forward (decode-shaped batches only).
+    # Capture CUDA graphs of the target forward (SGLang's prefill graphs: every forward here is
+    # a prefill, so decode graphs are never captured).
     cuda_graph: bool = False
-    # Piecewise CUDA graphs for prefill-shaped batches (SGLang >= 0.5).
+    # Piecewise prefill graphs, split around attention so that batches of any shape replay
+    # them (SGLang's "breakable" prefill backend); implies cuda_graph.
     piecewise_cuda_graph: bool = False
-    # Largest token count a piecewise CUDA graph is captured for.
+    # Longest sequence, tokens, a prefill CUDA graph replays for; longer batches run eagerly.
     piecewise_cuda_graph_max_tokens: int = 4096
     # torch.compile the target forward inside SGLang.
     torch_compile: bool = False
     # NVLink SHARP all-reduce (NVLS) for the target's TP collectives.
     nccl_nvls: bool = False
-    # Symmetric-memory all-reduce for the target's TP collectives.
+    # NCCL symmetric-memory collectives for the target's TP collectives.
     symm_mem: bool = False
-    # Data-parallel attention (MoE / MLA targets).
+    # Data-parallel attention inside the tp group (MoE / MLA targets; set extra.dp_size too).
     dp_attention: bool = False
     # Data-parallel lm_head with dp_attention.
     dp_lm_head: bool = False
-    # Expert-parallel size for MoE targets (1 = no expert parallelism).
+    # Expert-parallel size for MoE targets (1 = no expert parallelism; divides parallel.tp).
     ep_size: int = 1
-    # Most sequences in one forward; null = the per-rank batch size.
+    # Most sequences in one forward (SGLang's request slots); null = SGLang's default.
     max_running_requests: int | None = None
-    # KV-cache pool size in tokens; null = batch size x context length.
+    # KV-cache pool size in tokens, which bounds the tokens of one forward; null = what
+    # mem_fraction_static leaves after the weights.
     max_total_tokens: int | None = None
     # Further sglang ServerArgs fields, passed as given (e.g. {kv_cache_dtype: fp8_e5m2}).
     extra: dict[str, Any] = field(default_factory=dict)
@@ -80,8 +83,27 @@ class SGLangConfig:
                 f"target.sglang.mem_fraction_static={self.mem_fraction_static} must lie in "
                 "(0, 1): the share of GPU memory SGLang keeps for weights and KV cache."
             )
+        if not self.attention_backend:
+            raise ConfigError(
+                "target.sglang.attention_backend is empty; name an SGLang attention backend "
+                "(flashinfer, fa3, triton, torch_native, ...)."
+            )
         if self.ep_size < 1:
             raise ConfigError(f"target.sglang.ep_size={self.ep_size} must be at least 1.")
+        for name in (
+            "context_length",
+            "max_running_requests",
+            "max_total_tokens",
+            "piecewise_cuda_graph_max_tokens",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"target.sglang.{name}={value} must be at least 1.")
+        if self.dp_lm_head and not self.dp_attention:
+            raise ConfigError(
+                "target.sglang.dp_lm_head=true needs target.sglang.dp_attention=true; set both "
+                "or neither."
+            )
 
 
 @dataclass
