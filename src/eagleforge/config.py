@@ -26,7 +26,7 @@ from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import ParallelConfig
 from eagleforge.profiling import ProfileConfig
 from eagleforge.speculative.decode import EvalConfig
-from eagleforge.target import TargetConfig
+from eagleforge.target import TargetBackendKind, TargetConfig
 from eagleforge.target.source import ModelConfig
 from eagleforge.tracking import TrackerConfig
 from eagleforge.trainer import TrainerConfig
@@ -95,6 +95,8 @@ class EagleForgeConfig:
                 "training (data.features) does not load; set it to 0 and run "
                 "eagleforge.evaluate on the saved checkpoints."
             )
+        if self.data.is_vlm:
+            self._check_vlm()
         usp = self.draft.attention == AttentionBackend.usp
         if parallel.sp > 1 and not (usp and offline):
             raise ConfigError(
@@ -107,6 +109,23 @@ class EagleForgeConfig:
                 "draft.attention=usp needs parallel.sp_ulysses x sp_ring > 1; set them, or "
                 "choose another draft.attention."
             )
+
+    def _check_vlm(self) -> None:
+        """What a vision-language run (data.is_vlm) does not do yet: the fields to unset."""
+        refused = {
+            f"parallel.tp={self.parallel.tp}": self.parallel.tp > 1,
+            f"target.backend={self.target.backend.value}": (
+                self.target.backend != TargetBackendKind.hf
+            ),
+            "trainer.eval_tau_every_n_steps": bool(self.trainer.eval_tau_every_n_steps),
+        }
+        for name, set_ in refused.items():
+            if set_:
+                raise ConfigError(
+                    f"{name} is not supported with data.is_vlm=true (vision-language targets "
+                    "train online with the hf backend on whole-target ranks); change it, or "
+                    "see docs/vlm.md."
+                )
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
