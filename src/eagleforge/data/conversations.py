@@ -411,13 +411,15 @@ def preformatted_text(row: Any, where: str) -> str:
     return text
 
 
-def read_conversations(fmt: DataFormat, path: str | None) -> Iterator[tuple[str, Conversation]]:
+def read_conversations(
+    fmt: DataFormat, path: str | None, images_allowed: bool = False
+) -> Iterator[tuple[str, Conversation]]:
     """(location, messages) for every conversation of a source; DataError at the first bad row."""
     files = source_files(fmt, [str(path)])
     for where, row in read_rows(fmt, files):
         try:
             if isinstance(row, RowError):
                 raise row
-            yield where, normalise_row(row, fmt, where)
+            yield where, normalise_row(row, fmt, where, images_allowed)
         except RowError as e:
             raise DataError(str(e)) from None
