@@ -179,7 +179,7 @@ def test_missing_image_names_file_and_line(tmp_path: Path, processor: VisionProc
         },
     ]
     path = write_rows(tmp_path / "rows.jsonl", rows)
-    with pytest.raises(DataError, match=rf"rows.jsonl:2: image .*nope.png does not exist"):
+    with pytest.raises(DataError, match=r"rows.jsonl:2: image .*nope.png does not exist"):
         build_datasets(vlm_config(path), processor.tokenizer, tmp_path / "c", 0, processor)
 
 

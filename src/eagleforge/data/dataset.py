@@ -500,7 +500,7 @@ def preprocess_source(
         )
         tokenizer = processor.tokenizer
     files = source_files(fmt, patterns)
-    key_parts = {
+    key_parts: dict[str, Any] = {
         "files": [file_digest(f) for f in files],
         "format": fmt.value,
         "tokenizer": tokenizer_digest(tokenizer),
@@ -567,7 +567,9 @@ def build_datasets(
     )
     log.info("data %s: %s", cfg.name, report.summary())
     if processor is not None:
-        log.info("data %s: conversations with images are not cached; preprocessed each run", cfg.name)
+        log.info(
+            "data %s: conversations with images are not cached; preprocessed each run", cfg.name
+        )
     if cfg.eval_path:
         held_out, _, _ = preprocess_source(
             cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None, processor
@@ -623,12 +625,13 @@ class Collator:
                 batch[key] = out
         return batch
 
-
     def _images(self, paths: list[str]) -> dict[str, torch.Tensor]:
         if not paths:
             return {}
-        if self.image_processor is None:
-            raise ValueError("vision-language samples need Collator(image_processor=...)")
+        if self.image_processor is None or self.image_token_id is None:
+            raise ValueError(
+                "vision-language samples need Collator(image_processor=..., image_token_id=...)"
+            )
         from PIL import Image
 
         images = []
@@ -649,7 +652,8 @@ class Collator:
         grid = batch.get("image_grid_thw")
         merged = int(getattr(self.image_processor, "merge_size", 1)) ** 2
         expected = 0 if grid is None else int((grid.prod(-1) // merged).sum())
-        found = int((batch["input_ids"] == self.image_token_id).sum())
+        image_id = -1 if self.image_token_id is None else self.image_token_id
+        found = int(batch["input_ids"].eq(image_id).sum())
         if expected != found:
             raise DataError(
                 f"this batch's images need {expected} image tokens but the preprocessed "

@@ -272,6 +272,7 @@ class VisionSettings:
         """(t, h, w) patches of the image once resized as the image processor resizes it;
         only the file's header is read."""
         from PIL import Image, UnidentifiedImageError
+
         # the PIL backend's copy: the torchvision one's module needs torchvision to import
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 

@@ -251,7 +251,8 @@ def random_qwen2_5_vl_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-        ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
+        vocab: dict[str, int] = tokenizer.get_vocab()
+        ids = {token: vocab[token] for token in VISION_TOKENS}
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         # Qwen2.5-VL splits the head's D/2 frequencies 16:24:24 over (time, height, width).
         quarter = head_dim // 2 // 4
