@@ -95,6 +95,8 @@ class EagleForgeConfig:
                 "training (data.features) does not load; set it to 0 and run "
                 "eagleforge.evaluate on the saved checkpoints."
             )
+        if self.data.is_vlm:
+            self._check_vlm()
         if self.trainer.eval_tau_every_n_steps and self.target.backend != TargetBackendKind.hf:
             raise ConfigError(
                 "trainer.eval_tau_every_n_steps decodes with the transformers target (KV cache), "
@@ -132,6 +134,23 @@ class EagleForgeConfig:
                 "cannot run (it sends each row to SGLang as one sequence); set data.packing=false "
                 "or null, or use target=hf."
             )
+
+    def _check_vlm(self) -> None:
+        """What a vision-language run (data.is_vlm) does not do yet: the fields to unset."""
+        refused = {
+            f"parallel.tp={self.parallel.tp}": self.parallel.tp > 1,
+            f"target.backend={self.target.backend.value}": (
+                self.target.backend != TargetBackendKind.hf
+            ),
+            "trainer.eval_tau_every_n_steps": bool(self.trainer.eval_tau_every_n_steps),
+        }
+        for name, set_ in refused.items():
+            if set_:
+                raise ConfigError(
+                    f"{name} is not supported with data.is_vlm=true (vision-language targets "
+                    "train online with the hf backend on whole-target ranks); change it, or "
+                    "see docs/vlm.md."
+                )
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:

@@ -124,6 +124,12 @@ def run(cfg: DictConfig) -> list[Summary]:
     config = to_typed(cfg)
     if not config.eval.draft:
         raise ConfigError("eval.draft is not set: give a checkpoint or draft directory.")
+    if config.data.is_vlm:
+        raise ConfigError(
+            "data.is_vlm=true: speculative decoding with a vision-language target (M-RoPE "
+            "positions while decoding) is not supported by eagleforge.evaluate yet; see "
+            "docs/vlm.md."
+        )
     device = resolve_device(config.parallel)
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)

@@ -125,6 +125,12 @@ def capture_split(
 
 def run(config: EagleForgeConfig) -> Path:
     cfg = config.prepare
+    if config.data.is_vlm:
+        raise ConfigError(
+            "data.is_vlm=true: feature stores hold no images or M-RoPE positions, so "
+            "vision-language targets train online only; run eagleforge.train without "
+            "data.features (see docs/vlm.md)."
+        )
     if not cfg.output_dir:
         raise ConfigError(
             "prepare.output_dir is not set: give the directory for the feature store."

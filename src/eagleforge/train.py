@@ -2,6 +2,7 @@
 
     python -m eagleforge.train +model=smollm2 data=chitchat [key=value ...]
     python -m eagleforge.train -m +model=tiny data=chitchat optimizer.lr=1e-4,3e-4   # sweep
+    python -m eagleforge.train +model=qwen2_5_vl data=vlm data.path=/data/vlm.jsonl  # images
 
 Builds the components from the typed config and hands them to the Trainer.
 """
@@ -51,7 +52,12 @@ from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.target import build_target
 from eagleforge.target.head import HeadOnlyTarget
-from eagleforge.target.source import load_tokenizer, resolve_model_dir
+from eagleforge.target.source import (
+    VisionProcessor,
+    load_processor,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from eagleforge.target.teacher import teacher_batch
 from eagleforge.tracking import (
     MLflowTracker,
@@ -83,19 +89,30 @@ class Inputs:
     token_samples: Iterable[tuple[list[int], list[int]]]  # for the draft vocab map
     vocab_cache_dir: Path
     report: DataReport | None  # preprocessing counts (online)
+    processor: VisionProcessor | None = None  # loads the images of vision-language data
 
 
 def online_inputs(
     config: EagleForgeConfig, model_dir: Any, tokenizer: Any, world: World, cache_dir: Path
 ) -> Inputs:
     """Tokenized conversations; the full target runs in every step (split over the tp ranks)."""
+    processor = (
+        load_processor(config.model, model_dir, config.data.min_pixels, config.data.max_pixels)
+        if config.data.is_vlm
+        else None
+    )
     with world.main_first():  # rank 0 fills the tokenized-data cache
-        data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+        data = build_datasets(config.data, tokenizer, cache_dir, config.seed, processor)
     target = build_target(
         config.model, config.target, model_dir, world.device, tp_mesh=tp_axis(world.mesh)
     )
     vocab_dir = Path(cache_dir) / "vocab" / data.cache_key
-    return Inputs(data.train, data.eval, target, data.train, vocab_dir, data.report)
+    if processor is not None and not getattr(target, "is_vlm", False):
+        raise ConfigError(
+            f"data.is_vlm=true but the target ({model_dir}) has no vision tower; choose a "
+            "vision-language model (e.g. +model=qwen2_5_vl) or set data.is_vlm=false."
+        )
+    return Inputs(data.train, data.eval, target, data.train, vocab_dir, data.report, processor)
 
 
 def offline_inputs(
@@ -201,7 +218,9 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     draft.load_embedding(target.input_embedding().detach().cpu())
     draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
     if config.model.draft_init:
-        init_from(draft, Path(config.model.draft_init), target.config.num_hidden_layers)
+        init_from(
+            draft, Path(config.model.draft_init), target.config.get_text_config().num_hidden_layers
+        )
     draft.to(device)
     apply_master_dtype(draft, config.optimizer)  # optimizer.fp32_master: fp32 or bf16 weights
     # the draft's own map: with model.draft_init it is the initial draft's, not this data's
@@ -227,7 +246,9 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     packing = (
         config.data.packing
         if config.data.packing is not None
-        else bool(config.data.features) or config.target.supports_packing()
+        # images: one row per conversation (packed rows would need per-document M-RoPE)
+        else not config.data.is_vlm
+        and (bool(config.data.features) or config.target.supports_packing())
     )
     if packing:
         log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
@@ -245,6 +266,7 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
             shard=world.data_rank,
             num_shards=world.dims.data_shards,
             start=start,
+            processor=inputs.processor,
         )
 
     def train_loader(epoch: int, start: int = 0) -> torch.utils.data.DataLoader:

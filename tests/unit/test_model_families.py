@@ -26,7 +26,7 @@ FAMILIES = sorted(p.stem for p in CONFIGS.glob("*.json"))
 # Every pretrained entry under conf/model/ has a vendored config (tiny and smollm2 are built here).
 EXPECTED = {
     "deepseek_v3", "gemma3", "gpt_oss", "llama3", "llama3_70b", "llama4_scout", "mistral",
-    "phi4", "qwen2_5", "qwen3", "qwen3_moe",
+    "phi4", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe",
 }  # fmt: skip
 # Layers, hidden size, vocab of each target's text model, as published.
 SHAPES = {
@@ -39,6 +39,7 @@ SHAPES = {
     "mistral": (32, 4096, 32768),
     "phi4": (40, 5120, 100352),
     "qwen2_5": (28, 3584, 152064),
+    "qwen2_5_vl": (28, 3584, 152064),
     "qwen3": (36, 4096, 151936),
     "qwen3_moe": (48, 2048, 151936),
 }
@@ -140,3 +141,8 @@ def test_family_specific_derivations() -> None:
     assert gemma.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     # Llama 3.x: llama3 RoPE scaling kept.
     assert _arch("llama3_70b").rope_scaling is not None
+    # Qwen2.5-VL: the language model's shapes, and its M-RoPE sections kept for the draft
+    # (and its SGLang export), with plain RoPE frequencies.
+    qwen_vl = _arch("qwen2_5_vl")
+    assert qwen_vl.mrope_section == [16, 24, 24] and qwen_vl.rope_theta == 1_000_000.0
+    assert qwen_vl.target_model_type == "qwen2_5_vl_text" and qwen_vl.head_dim == 128

@@ -7,6 +7,13 @@ dataset directory, a glob of those, or the bundled chitchat-dataset package. Row
 - OpenAI:   ``{"messages": [{"role": ..., "content": ..., "reasoning_content"?: ..., "tool_calls"?: [...]}]}``
 - preformatted (``data.preformatted=true``): ``{"text": "<chat template already applied>"}``
 
+Images (``data.is_vlm=true``, vision-language targets; see docs/vlm.md): a user turn lists
+image files in ``"images": [...]`` (or one in ``"image"``), or its OpenAI ``content`` is a list
+of parts ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": path}``; a row-level
+``"images"`` / ``"image"`` belongs to the first user turn (LLaVA style). Relative paths are
+relative to the data file's directory. A turn's images come before its text. Normalised
+messages keep ``content`` a string and list absolute image paths under ``images``.
+
 Every problem with a row is a ``RowError`` naming the row (file and line) and one ``SkipReason``,
 so a run can stop on it (``data.on_error=raise``) or skip and count it (``skip``).
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
@@ -64,6 +72,7 @@ class SkipReason(str, Enum):
     no_assistant_turn = "no_assistant_turn"
     template_error = "template_error"
     too_long = "too_long"
+    image_error = "image_error"  # missing or unreadable image, or images in a text-only run
 
 
 class RowError(Exception):
@@ -227,8 +236,67 @@ def _split_inline_reasoning(message: Message) -> None:
         message["content"] = reply.lstrip("\n")
 
 
-def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
-    """One data row -> messages with canonical roles; raises RowError naming ``where``."""
+def data_file_of(where: str) -> Path | None:
+    """The data file a row location (``file:line``, ``file[index]``, ``file[row i]``) names."""
+    match = re.fullmatch(r"(.+?)(?::\d+|\[(?:row )?\d+\])", where)
+    return Path(match.group(1)) if match else None
+
+
+def _image_list(value: Any, where: str, field: str) -> list[str]:
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise RowError(
+            SkipReason.image_error,
+            where,
+            f"'{field}' must be an image path or a list of image paths.",
+        )
+    return list(paths)
+
+
+def _content_parts(content: list[Any], where: str, index: int) -> tuple[str, list[str]]:
+    """OpenAI content parts -> (text, image paths); RowError for parts it does not know."""
+    texts, images = [], []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image" and isinstance(part.get("image"), str):
+            images.append(part["image"])
+        else:
+            raise RowError(
+                SkipReason.malformed_row,
+                where,
+                f"turn {index} has a content part that is neither "
+                '{"type": "text", "text": ...} nor {"type": "image", "image": path}.',
+            )
+    return "\n".join(texts), images
+
+
+def _resolve_images(paths: list[str], where: str) -> list[str]:
+    """Absolute paths (relative ones against the data file's directory), each an existing file."""
+    data_file = data_file_of(where)
+    base = data_file.parent if data_file is not None else Path.cwd()
+    resolved = []
+    for path in paths:
+        image = Path(path) if Path(path).is_absolute() else base / path
+        if not image.is_file():
+            raise RowError(
+                SkipReason.image_error,
+                where,
+                f"image {image} does not exist (relative paths start at the data file's "
+                "directory); fix the path or add the file.",
+            )
+        resolved.append(str(image.resolve()))
+    return resolved
+
+
+def normalise_row(
+    row: Any, fmt: DataFormat, where: str, images_allowed: bool = False
+) -> Conversation:
+    """One data row -> messages with canonical roles; raises RowError naming ``where``.
+
+    ``images_allowed`` (``data.is_vlm``): user turns may carry images (see the module
+    docstring); otherwise a row with images is an ``image_error``."""
     if not isinstance(row, dict):
         raise RowError(
             SkipReason.malformed_row,
@@ -253,6 +321,12 @@ def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
             f"missing the '{key}' list ({fmt.value} format); fix the row or set data.format.",
         )
     messages: Conversation = []
+    row_images = [
+        path
+        for field in ("images", "image")
+        if row.get(field) is not None
+        for path in _image_list(row[field], where, field)
+    ]
     for index, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn:
             raise RowError(
@@ -266,6 +340,19 @@ def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
                 f"turn {index} has unknown role '{turn[role_key]}'; use one of {sorted(set(ROLE_ALIASES))}.",
             )
         content = turn.get(content_key)
+        images = [
+            path
+            for field in ("images", "image")
+            if isinstance(turn, dict) and turn.get(field) is not None
+            for path in _image_list(turn[field], where, f"turn {index} {field}")
+        ]
+        if isinstance(content, list) and (
+            images_allowed or any(isinstance(p, dict) and p.get("type") == "image" for p in content)
+        ):
+            content, part_images = _content_parts(content, where, index)
+            images += part_images
+        if role == "user" and row_images and not any(m["role"] == "user" for m in messages):
+            images = row_images + images
         has_tool_calls = bool(turn.get("tool_calls"))
         if content is None and has_tool_calls:
             content = ""
@@ -275,17 +362,36 @@ def normalise_row(row: Any, fmt: DataFormat, where: str) -> Conversation:
                 where,
                 f"turn {index} '{content_key}' must be a string, got {type(content).__name__}.",
             )
-        if not content.strip() and not has_tool_calls:
+        if not content.strip() and not has_tool_calls and not images:
             raise RowError(
                 SkipReason.empty_content, where, f"turn {index} ({role}) has empty content."
             )
         message: Message = {"role": role, "content": content}
+        if images:
+            if not images_allowed:
+                raise RowError(
+                    SkipReason.image_error,
+                    where,
+                    f"turn {index} has images but data.is_vlm=false; train a vision-language "
+                    "target (+model=qwen2_5_vl, or data.is_vlm=true) or drop the images.",
+                )
+            if role != "user":
+                raise RowError(
+                    SkipReason.image_error,
+                    where,
+                    f"turn {index} ({role}) has images; only user turns may carry images.",
+                )
+            message["images"] = _resolve_images(images, where)
         message.update({k: turn[k] for k in EXTRA_FIELDS if turn.get(k) is not None})
         if role == "assistant":
             _split_inline_reasoning(message)
         messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError(SkipReason.no_assistant_turn, where, "no assistant turn to train on.")
+    if row_images and not any(m["role"] == "user" for m in messages):
+        raise RowError(
+            SkipReason.image_error, where, "the row has images but no user turn to carry them."
+        )
     return messages
 
 
@@ -305,13 +411,15 @@ def preformatted_text(row: Any, where: str) -> str:
     return text
 
 
-def read_conversations(fmt: DataFormat, path: str | None) -> Iterator[tuple[str, Conversation]]:
+def read_conversations(
+    fmt: DataFormat, path: str | None, images_allowed: bool = False
+) -> Iterator[tuple[str, Conversation]]:
     """(location, messages) for every conversation of a source; DataError at the first bad row."""
     files = source_files(fmt, [str(path)])
     for where, row in read_rows(fmt, files):
         try:
             if isinstance(row, RowError):
                 raise row
-            yield where, normalise_row(row, fmt, where)
+            yield where, normalise_row(row, fmt, where, images_allowed)
         except RowError as e:
             raise DataError(str(e)) from None

@@ -4,6 +4,10 @@ Preprocessed data is cached under ``<cache_dir>/data/<key>`` where the key hashe
 of every input file, the tokenizer and chat template, and every option that changes the result:
 editing a file rebuilds it even when its path is unchanged, and nothing else does. Entries are
 written to a temporary directory and renamed, so a crash never leaves one that later loads.
+
+Conversations with images (``data.is_vlm``) bypass that cache on purpose: their token counts
+depend on image files the key does not hash, so they are preprocessed in every run (only
+image headers are read then); the pixels are loaded batch by batch by the ``Collator``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import MISSING
@@ -39,8 +43,16 @@ from eagleforge.data.conversations import (
 )
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
-from eagleforge.data.template import make_renderer, tokenize_rendered
+from eagleforge.data.template import (
+    VisionSettings,
+    expand_images,
+    make_renderer,
+    tokenize_rendered,
+)
 from eagleforge.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from eagleforge.target.source import VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +110,14 @@ class DataConfig:
     packing: bool | None = None
     # Token budget of one packed row (tokens per micro-batch with packing); at least max_length.
     max_tokens_per_batch: int = 4096
+    # Conversations may carry images for a vision-language target (e.g. +model=qwen2_5_vl,
+    # which sets it): rendered with the processor's chat template, images fed to the target's
+    # vision tower. Online training with the hf target only (see docs/vlm.md).
+    is_vlm: bool = False
+    # Fewest pixels an image is resized to, aspect ratio kept (50176 = 224 x 224).
+    min_pixels: int = 50176
+    # Most pixels an image is resized to (802816 = 1024 tokens of 28 x 28 pixels).
+    max_pixels: int = 802816
 
     def __post_init__(self) -> None:
         if self.max_length < 4:
@@ -115,10 +135,31 @@ class DataConfig:
                 f"data.max_tokens_per_batch={self.max_tokens_per_batch} must be >= data.max_length="
                 f"{self.max_length} so that every sample fits in a packed row."
             )
+        if self.is_vlm:
+            self._check_vlm()
         if self.preformatted and self.format == DataFormat.chitchat:
             raise ConfigError(
                 "data.preformatted=true needs a file of {'text': ...} rows, not data=chitchat."
             )
+
+    def _check_vlm(self) -> None:
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ConfigError(
+                f"data.min_pixels={self.min_pixels} and data.max_pixels={self.max_pixels} must "
+                "satisfy 0 < min_pixels <= max_pixels."
+            )
+        refused = {
+            "data.template": self.template != "auto",  # named templates place no images
+            "data.preformatted": self.preformatted,
+            "data.packing": self.packing is True,
+            "data.features": bool(self.features),
+        }
+        for name, set_ in refused.items():
+            if set_:
+                raise ConfigError(
+                    f"{name} is not supported with data.is_vlm=true (images are rendered with "
+                    f"the processor's template and trained online, unpacked); unset {name}."
+                )
 
     def sources(self) -> list[str]:
         """The files to read; ConfigError when the format needs a path and none is set
@@ -156,16 +197,25 @@ class DataReport:
 
 
 class TokenizedDataset(torch.utils.data.Dataset):
-    """(input_ids, loss_mask) pairs of python int lists."""
+    """(input_ids, loss_mask) pairs of python int lists; with ``images`` (vision-language
+    data) samples are (input_ids, loss_mask, image paths)."""
 
-    def __init__(self, input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
+    def __init__(
+        self,
+        input_ids: list[list[int]],
+        loss_mask: list[list[int]],
+        images: list[list[str]] | None = None,
+    ) -> None:
         self.input_ids = input_ids
         self.loss_mask = loss_mask
+        self.images = images
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        if self.images is not None:
+            return self.input_ids[index], self.loss_mask[index], self.images[index]
         return self.input_ids[index], self.loss_mask[index]
 
     def __iter__(self) -> Iterator[tuple[list[int], list[int]]]:
@@ -173,7 +223,9 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     def subset(self, indices: list[int]) -> TokenizedDataset:
         return TokenizedDataset(
-            [self.input_ids[i] for i in indices], [self.loss_mask[i] for i in indices]
+            [self.input_ids[i] for i in indices],
+            [self.loss_mask[i] for i in indices],
+            None if self.images is None else [self.images[i] for i in indices],
         )
 
     def lengths(self) -> list[int]:
@@ -194,6 +246,7 @@ class _Settings:
     max_length: int
     truncate: bool
     train_only_last_turn: bool
+    vision: VisionSettings | None = None  # vision-language data
 
 
 _WORKER: dict[str, Any] = {}
@@ -211,14 +264,16 @@ def _render_row(where: str, row: Any, renderer: Any, settings: _Settings) -> Ren
         rendered = renderer.render(preformatted_text(row, where), where)
     else:
         try:
-            rendered = renderer.render(normalise_row(row, settings.fmt, where), where)
+            messages = normalise_row(row, settings.fmt, where, settings.vision is not None)
+            rendered = renderer.render(messages, where)
         except DataError as e:  # the template rejected the conversation
             detail = str(e).removeprefix(f"{where}: ")
             raise RowError(SkipReason.template_error, where, detail) from None
     return rendered.last_turn_only() if settings.train_only_last_turn else rendered
 
 
-Processed = tuple[str, list[int], list[int], bool] | RowError  # (where, ids, mask, truncated)
+# (where, ids, mask, truncated, image paths)
+Processed = tuple[str, list[int], list[int], bool, list[str]] | RowError
 
 
 def process_chunk(chunk: list[RawRow]) -> list[Processed]:
@@ -237,9 +292,27 @@ def process_chunk(chunk: list[RawRow]) -> list[Processed]:
     for index, item in enumerate(out):
         if item is not None:
             continue
-        where, _ = next(places)
+        where, rendered_row = next(places)
         ids, mask = next(encoded)
+        images = rendered_row.images
+        last_vision = -1
+        if settings.vision is not None:
+            try:
+                ids, mask, _ = expand_images(ids, mask, images, settings.vision, where)
+            except RowError as e:
+                out[index] = e
+                continue
+            vision_ids = {settings.vision.image_token_id, *settings.vision.vision_token_ids}
+            last_vision = max((i for i, t in enumerate(ids) if t in vision_ids), default=-1)
         too_long = len(ids) > settings.max_length
+        if too_long and last_vision >= settings.max_length:  # never cut into an image
+            out[index] = RowError(
+                SkipReason.too_long,
+                where,
+                f"its images end at token {last_vision + 1}, past data.max_length="
+                f"{settings.max_length} (raise it, or lower data.max_pixels).",
+            )
+            continue
         if too_long and not settings.truncate:
             out[index] = RowError(
                 SkipReason.too_long,
@@ -256,7 +329,7 @@ def process_chunk(chunk: list[RawRow]) -> list[Processed]:
                 f"no reply within the first {settings.max_length} tokens.",
             )
             continue
-        out[index] = (where, ids, mask, too_long)
+        out[index] = (where, ids, mask, too_long, images)
     return [item for item in out if item is not None]
 
 
@@ -287,6 +360,7 @@ def preprocess_rows(
     report, skipped = DataReport(), Counter[str]()
     input_ids: list[list[int]] = []
     loss_mask: list[list[int]] = []
+    images: list[list[str]] = []
     pool = None
     if num_proc > 1:
         # fork: workers inherit the tokenizer and renderer without pickling them; a worker that
@@ -313,9 +387,10 @@ def preprocess_rows(
                             )
                         skipped[item.reason.value] += 1
                         continue
-                    _, ids, mask, truncated = item
+                    _, ids, mask, truncated, row_images = item
                     input_ids.append(ids)
                     loss_mask.append(mask)
+                    images.append(row_images)
                     report.truncated += int(truncated)
                     report.tokens += len(ids)
                     report.supervised_tokens += sum(mask)
@@ -325,7 +400,8 @@ def preprocess_rows(
             pool.shutdown(cancel_futures=True)
     report.kept = len(input_ids)
     report.skipped = dict(skipped)
-    return TokenizedDataset(input_ids, loss_mask), report
+    dataset = TokenizedDataset(input_ids, loss_mask, images if settings.vision else None)
+    return dataset, report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,10 +476,31 @@ def preprocess_source(
     tokenizer: Any,
     cache_dir: str | Path,
     limit: int | None,
+    processor: VisionProcessor | None = None,
 ) -> tuple[TokenizedDataset, DataReport, Path]:
-    """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir."""
+    """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir.
+
+    With ``processor`` (vision-language data) the cache is bypassed (see the module docstring);
+    the entry dir is then only a name for this data and settings."""
+    if cfg.is_vlm and processor is None:
+        raise ConfigError(
+            "data.is_vlm=true: this command does not load the target's processor (only "
+            "eagleforge.train takes images); set data.is_vlm=false."
+        )
+    vision = None
+    if processor is not None:
+        image_processor = processor.image_processor
+        vision = VisionSettings(
+            image_token_id=processor.image_token_id,
+            vision_token_ids=processor.vision_token_ids(),
+            patch_size=int(image_processor.patch_size),
+            merge_size=int(image_processor.merge_size),
+            min_pixels=cfg.min_pixels,
+            max_pixels=cfg.max_pixels,
+        )
+        tokenizer = processor.tokenizer
     files = source_files(fmt, patterns)
-    key_parts = {
+    key_parts: dict[str, Any] = {
         "files": [file_digest(f) for f in files],
         "format": fmt.value,
         "tokenizer": tokenizer_digest(tokenizer),
@@ -416,14 +513,22 @@ def preprocess_source(
         "limit": limit,
         "version": PIPELINE_VERSION,
     }
+    if vision is not None:
+        key_parts["vision"] = asdict(vision)
+        key_parts["processor_template"] = processor.chat_template if processor else None
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cache_dir) / "data" / key
-    if (entry / "report.json").exists():
+    if vision is None and (entry / "report.json").exists():
         return (*_load(entry), entry)
     settings = _Settings(
-        fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn
+        fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn, vision
     )
-    renderer = make_renderer(cfg.template, tokenizer, cfg.preformatted)
+    renderer = make_renderer(
+        cfg.template,
+        tokenizer,
+        cfg.preformatted,
+        processor.chat_template if processor is not None else None,
+    )
     dataset, report = preprocess_rows(
         read_rows(fmt, files), renderer, tokenizer, settings, cfg.on_error, cfg.num_proc, limit
     )
@@ -431,7 +536,10 @@ def preprocess_source(
         raise DataError(
             f"{', '.join(map(str, files))}: no usable conversation ({report.summary()}); check the rows and data.format, or inspect them with python -m eagleforge.inspect_data."
         )
-    write_atomically(entry, lambda out: _save(dataset, report, out), complete_marker="report.json")
+    if vision is None:
+        write_atomically(
+            entry, lambda out: _save(dataset, report, out), complete_marker="report.json"
+        )
     return dataset, report, entry
 
 
@@ -444,17 +552,27 @@ class PreparedData:
 
 
 def build_datasets(
-    cfg: DataConfig, tokenizer: Any, cache_dir: str | Path, seed: int
+    cfg: DataConfig,
+    tokenizer: Any,
+    cache_dir: str | Path,
+    seed: int,
+    processor: VisionProcessor | None = None,
 ) -> PreparedData:
-    """Train and eval datasets (without eval_path: a seeded random hold-out) and the train report."""
+    """Train and eval datasets (without eval_path: a seeded random hold-out) and the train report.
+
+    ``processor``: the target's processor parts, for vision-language data (``data.is_vlm``)."""
     limit = cfg.max_num_samples
     full, report, entry = preprocess_source(
-        cfg, cfg.format, cfg.sources(), tokenizer, cache_dir, limit
+        cfg, cfg.format, cfg.sources(), tokenizer, cache_dir, limit, processor
     )
     log.info("data %s: %s", cfg.name, report.summary())
+    if processor is not None:
+        log.info(
+            "data %s: conversations with images are not cached; preprocessed each run", cfg.name
+        )
     if cfg.eval_path:
         held_out, _, _ = preprocess_source(
-            cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None
+            cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None, processor
         )
         return PreparedData(full, held_out, report, entry.name)
     if cfg.num_eval_samples == 0:
@@ -475,9 +593,15 @@ def build_datasets(
 class Collator:
     """Right-pads a list of samples into tensors: input_ids, attention_mask, loss_mask [B, T];
     samples from a feature store also carry aux [T, A] and final [T, H] hidden states, padded
-    with zeros into aux_hidden [B, T, A] and final_hidden [B, T, H]."""
+    with zeros into aux_hidden [B, T, A] and final_hidden [B, T, H].
+
+    Vision-language samples (ids, mask, image paths) also give the images of the whole batch,
+    in sample order, through ``image_processor``: pixel_values [patches, C*t*p*p] and
+    image_grid_thw [images, 3] (absent when the batch has no image)."""
 
     pad_token_id: int
+    image_processor: Any = None  # the target's, with data.min_pixels / max_pixels
+    image_token_id: int | None = None
 
     def __call__(self, samples: list[tuple[Any, ...]]) -> dict[str, torch.Tensor]:
         length = max(len(sample[0]) for sample in samples)
@@ -489,6 +613,9 @@ class Collator:
             attention[row, : len(ids)] = True
             loss_mask[row, : len(mask)] = torch.as_tensor(mask, dtype=torch.bool)
         batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
+        if len(samples[0]) == 3:
+            batch.update(self._images([path for sample in samples for path in sample[2]]))
+            self._check_image_tokens(batch)
         if len(samples[0]) == 4:
             for key, position in (("aux_hidden", 2), ("final_hidden", 3)):
                 first = samples[0][position]
@@ -497,6 +624,41 @@ class Collator:
                     out[row, : len(sample[position])] = sample[position]
                 batch[key] = out
         return batch
+
+    def _images(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        if not paths:
+            return {}
+        if self.image_processor is None or self.image_token_id is None:
+            raise ValueError(
+                "vision-language samples need Collator(image_processor=..., image_token_id=...)"
+            )
+        from PIL import Image
+
+        images = []
+        for path in paths:
+            try:
+                with Image.open(path) as image:
+                    images.append(image.convert("RGB"))
+            except OSError as e:
+                raise DataError(
+                    f"image {path} cannot be read ({e}); it was readable when the data was "
+                    "preprocessed: restore the file."
+                ) from None
+        out = self.image_processor(images=images, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    def _check_image_tokens(self, batch: dict[str, torch.Tensor]) -> None:
+        """The images' token counts still match the placeholders written at preprocessing."""
+        grid = batch.get("image_grid_thw")
+        merged = int(getattr(self.image_processor, "merge_size", 1)) ** 2
+        expected = 0 if grid is None else int((grid.prod(-1) // merged).sum())
+        image_id = -1 if self.image_token_id is None else self.image_token_id
+        found = int(batch["input_ids"].eq(image_id).sum())
+        if expected != found:
+            raise DataError(
+                f"this batch's images need {expected} image tokens but the preprocessed "
+                f"samples hold {found}: an image file changed size since preprocessing; rerun."
+            )
 
 
 def pack_indices(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
@@ -549,6 +711,7 @@ def make_loader(
     shard: int = 0,
     num_shards: int = 1,
     start: int = 0,
+    processor: VisionProcessor | None = None,
 ) -> torch.utils.data.DataLoader:
     """Batches of ``batch_size`` padded samples, or with ``packing`` one row of whole samples
     up to ``max_tokens_per_batch`` tokens per batch.
@@ -556,6 +719,7 @@ def make_loader(
     ``shuffle_seed``: the order is a seeded permutation (one per epoch); None keeps file order.
     ``start``: leave out the order's first ``start`` batches (already used by a resumed run).
     ``shard`` of ``num_shards`` (data-parallel ranks): see ``shard_batches``.
+    ``processor``: loads the images of vision-language samples (not with ``packing``).
     """
     order = list(range(len(dataset)))
     if shuffle_seed is not None:
@@ -567,7 +731,11 @@ def make_loader(
         collate: Any = PackedCollator()
     else:
         batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        collate = Collator(pad_token_id)
+        collate = Collator(
+            pad_token_id,
+            processor.image_processor if processor is not None else None,
+            processor.image_token_id if processor is not None else None,
+        )
     batches = batches[start:]
     if num_shards > 1:
         batches = shard_batches(batches, shard, num_shards)

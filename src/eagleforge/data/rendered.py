@@ -1,8 +1,9 @@
-"""A conversation rendered to text, with the character spans that are supervised."""
+"""A conversation rendered to text, with the character spans that are supervised (and the
+images its image placeholders stand for, in order)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,6 +12,8 @@ class Rendered:
 
     text: str
     spans: list[tuple[int, int]]
+    # Image files, one per image placeholder of ``text`` in order (vision-language data).
+    images: list[str] = field(default_factory=list)
 
     @classmethod
     def from_pieces(cls, pieces: list[tuple[str, bool]]) -> Rendered:
@@ -35,4 +38,4 @@ class Rendered:
         return pieces
 
     def last_turn_only(self) -> Rendered:
-        return Rendered(self.text, self.spans[-1:])
+        return Rendered(self.text, self.spans[-1:], self.images)

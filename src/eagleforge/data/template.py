@@ -8,6 +8,9 @@ A renderer turns messages into a ``Rendered`` (text + supervised character spans
 - a ``NamedTemplate`` (``data.template=<name>``, see ``named_templates.py``).
 - ``PreformattedText`` (``data.preformatted=true``): text already templated; replies are found
   between the template's reply-start and end-of-turn markers.
+- ``VisionTemplate`` (``data.is_vlm=true``): the processor's chat template of a vision-language
+  target, images written as the template's placeholders; ``expand_images`` then widens each
+  placeholder token to the number of tokens the vision tower fills in for that image.
 
 Tokenization cuts the text at span edges and tokenizes each piece on its own, so the
 supervised tokens decode to exactly the reply -- as at serving time, where the prompt is
@@ -17,6 +20,7 @@ tokenized and the reply generated token by token, no BPE merge crosses the bound
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from eagleforge.data.conversations import Conversation, RowError, SkipReason
@@ -215,8 +219,118 @@ class PreformattedText:
         return Rendered(text, spans)
 
 
-def make_renderer(template: str, tokenizer: Any, preformatted: bool = False) -> Any:
-    """The renderer for ``data.template`` (``auto`` = the tokenizer's own)."""
+class _ProcessorChat:
+    """The tokenizer seen through the processor's chat template: messages with ``images``
+    become content parts (images first, then the text), as multimodal templates expect."""
+
+    def __init__(self, tokenizer: Any, chat_template: str) -> None:
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+
+    def apply_chat_template(self, messages: Conversation, **kwargs: Any) -> Any:
+        parted = [
+            {
+                **{k: v for k, v in m.items() if k != "images"},
+                "content": [{"type": "image"} for _ in m["images"]]
+                + ([{"type": "text", "text": m["content"]}] if m["content"] else []),
+            }
+            if m.get("images")
+            else m
+            for m in messages
+        ]
+        return self.tokenizer.apply_chat_template(
+            parted, chat_template=self.chat_template, **kwargs
+        )
+
+
+class VisionTemplate(TokenizerTemplate):
+    """The processor's chat template of a vision-language target; the rendered conversation
+    lists its images in order."""
+
+    name = "auto"
+
+    def __init__(self, tokenizer: Any, chat_template: str) -> None:
+        super().__init__(_ProcessorChat(tokenizer, chat_template))
+
+    def render(self, messages: Conversation, where: str) -> Rendered:
+        rendered = super().render(messages, where)
+        rendered.images = [path for m in messages for path in m.get("images", [])]
+        return rendered
+
+
+@dataclass
+class VisionSettings:
+    """What expanding image placeholders needs (picklable, for worker processes)."""
+
+    image_token_id: int
+    vision_token_ids: list[int]  # never supervised
+    patch_size: int  # pixels per patch side
+    merge_size: int  # patches per merged token side
+    min_pixels: int
+    max_pixels: int
+
+    def image_grid(self, path: str, where: str) -> tuple[int, int, int]:
+        """(t, h, w) patches of the image once resized as the image processor resizes it;
+        only the file's header is read."""
+        from PIL import Image, UnidentifiedImageError
+
+        # the PIL backend's copy: the torchvision one's module needs torchvision to import
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except (OSError, UnidentifiedImageError) as e:
+            raise RowError(
+                SkipReason.image_error,
+                where,
+                f"image {path} cannot be read ({e}); replace the file or drop the row.",
+            ) from None
+        factor = self.patch_size * self.merge_size
+        try:
+            resized_h, resized_w = smart_resize(
+                height, width, factor, self.min_pixels, self.max_pixels
+            )
+        except ValueError as e:  # extreme aspect ratios
+            raise RowError(SkipReason.image_error, where, f"image {path}: {e}") from None
+        return 1, resized_h // self.patch_size, resized_w // self.patch_size
+
+
+def expand_images(
+    ids: list[int], mask: list[int], images: list[str], vision: VisionSettings, where: str
+) -> tuple[list[int], list[int], list[tuple[int, int, int]]]:
+    """Each image placeholder token widened to the image's token count; every vision token
+    unsupervised. Returns ids, mask and each image's (t, h, w) patch grid."""
+    placeholders = sum(1 for i in ids if i == vision.image_token_id)
+    if placeholders != len(images):
+        raise RowError(
+            SkipReason.template_error,
+            where,
+            f"the chat template wrote {placeholders} image placeholders for {len(images)} "
+            "images; check the processor's chat template.",
+        )
+    grids = [vision.image_grid(path, where) for path in images]
+    merged = vision.merge_size**2
+    counts = iter([t * h * w // merged for t, h, w in grids])
+    vision_ids = set(vision.vision_token_ids) | {vision.image_token_id}
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    for token, supervised in zip(ids, mask, strict=True):
+        repeat = next(counts) if token == vision.image_token_id else 1
+        out_ids.extend([token] * repeat)
+        out_mask.extend([0 if token in vision_ids else supervised] * repeat)
+    return out_ids, out_mask, grids
+
+
+def make_renderer(
+    template: str,
+    tokenizer: Any,
+    preformatted: bool = False,
+    processor_template: str | None = None,
+) -> Any:
+    """The renderer for ``data.template`` (``auto`` = the tokenizer's own); with
+    ``processor_template`` (``data.is_vlm``) the processor's chat template, images placed."""
+    if processor_template is not None:
+        return VisionTemplate(tokenizer, processor_template)
     if template != "auto" and template not in TEMPLATES:
         raise ConfigError(
             f"data.template={template} is unknown; use auto or one of {', '.join(sorted(TEMPLATES))}."

@@ -5,7 +5,8 @@ Parameter names and shapes are exactly those SGLang's ``LlamaForCausalLMEagle3``
 of this module, minus ``embed_tokens``, is an SGLang checkpoint.
 
 Shape suffixes: B batch, T sequence, H draft hidden, A = 3 * target hidden (aux features),
-N query heads, K key/value heads, D head dim, V target vocab, W draft vocab.
+N query heads, K key/value heads, D head dim, V target vocab, W draft vocab; a leading 3 is
+M-RoPE's (time, height, width) position components of a vision-language target.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class DraftArchitecture:
     # Target layers whose outputs feed fc, 0-based output-of-layer numbering (see DESIGN.md).
     aux_layer_ids: list[int]
     # Non-default RoPE scaling of the target ({"rope_type": ..., ...}); None = plain RoPE.
+    # An ``mrope_section`` entry (Qwen2.5-VL: D/2 frequencies split over time, height and
+    # width) makes it M-RoPE, which SGLang reads from the same field.
     rope_scaling: dict[str, Any] | None = None
     hidden_act: str = "silu"
     attention_bias: bool = False
@@ -148,6 +151,9 @@ class DraftArchitecture:
             rope = dict(rope["full_attention"])
         rope_theta = float(rope.pop("rope_theta", getattr(text, "rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        mrope = rope.get("mrope_section")
+        if mrope is not None:  # M-RoPE (Qwen2.5-VL): the draft rotates as the target does
+            rope["mrope_section"] = [int(n) for n in mrope]
         vocab = text.vocab_size
         mlp_width = getattr(text, "intermediate_size_mlp", None) or text.intermediate_size
         return cls(
@@ -163,13 +169,19 @@ class DraftArchitecture:
             draft_vocab_size=min(draft.draft_vocab_size, vocab),
             target_hidden_size=hidden,
             aux_layer_ids=list(aux_layer_ids),
-            rope_scaling=None if rope_type == "default" else rope,
+            rope_scaling=None if rope_type == "default" and mrope is None else rope,
             hidden_act="silu",  # DraftMLP is SiLU-gated; the export must say what was trained
             target_model_type=getattr(text, "model_type", "llama"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def mrope_section(self) -> list[int] | None:
+        """Frequencies per (time, height, width) component under M-RoPE; None = plain RoPE."""
+        section = (self.rope_scaling or {}).get("mrope_section")
+        return None if section is None else [int(n) for n in section]
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -209,19 +221,20 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(arch: DraftArchitecture) -> torch.Tensor:
     """Inverse RoPE frequencies [D/2], computed the way transformers computes the target's."""
-    if arch.rope_scaling is None:
+    scaling = arch.rope_scaling or {}
+    rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type in ("default", "mrope"):  # M-RoPE's frequencies are plain RoPE's
         exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim
         return (1.0 / (arch.rope_theta**exponents)).float()
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type = str(arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")))
     config = LlamaConfig(
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
         head_dim=arch.head_dim,
         max_position_embeddings=arch.max_position_embeddings,
-        rope_parameters={**arch.rope_scaling, "rope_theta": arch.rope_theta},
+        rope_parameters={**scaling, "rope_theta": arch.rope_theta},
     )
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None)
     return inv_freq.float()
@@ -351,8 +364,21 @@ class Eagle3Draft(nn.Module):
     def rope(
         self, position_ids_BT: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B,T,D] for the given absolute positions."""
+        """cos and sin [B,T,D] for the given absolute positions: [B, T], or M-RoPE's
+        [3, B, T] (time, height, width), whose frequency sections each take one component."""
         freqs = position_ids_BT.float().unsqueeze(-1) * self.inv_freq
+        if position_ids_BT.dim() == 3:
+            section = self.arch.mrope_section
+            if section is None or sum(section) != freqs.shape[-1]:
+                raise ValueError(
+                    f"[3, B, T] M-RoPE positions need rope_scaling.mrope_section summing to "
+                    f"{freqs.shape[-1]} (head_dim / 2), got {section}"
+                )
+            # as the target (transformers' Qwen2.5-VL): section j of the frequencies rotates
+            # by position component j
+            freqs = torch.cat(
+                [part[j % 3] for j, part in enumerate(freqs.split(section, dim=-1))], dim=-1
+            )
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -1,7 +1,8 @@
 """The unrolled training-time test (TTT): k draft steps over a batch, and the loss.
 
 At step i, draft position t reads the token x_{t+1+i} and the hidden state of step i-1 (at
-step 0: fc of the target's aux features f_t) and predicts x_{t+2+i}; the teacher is the
+step 0: fc of the target's aux features f_t), at RoPE position pos_t + i (every component of
+a vision-language target's M-RoPE position), and predicts x_{t+2+i}; the teacher is the
 target's distribution at position t+1+i. The loss at (i, t) counts iff x_{t+2+i} exists, is
 supervised, and the target's argmax there is a draft-vocab id. The draft's lm_head and the
 soft cross-entropy are computed only at counted positions.
@@ -9,7 +10,7 @@ soft cross-entropy are computed only at counted positions.
 Everything here is a function of tensors, testable alone.
 
 Shape suffixes: B batch, T sequence, H draft hidden, A aux width (3 * target hidden),
-W draft vocab, n counted positions, k TTT steps.
+W draft vocab, n counted positions, k TTT steps, 3 M-RoPE position components.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class TTTBatch:
     # Packed rows: the document of each position, and positions restarting at 0 per document.
     document_ids_BT: torch.Tensor | None = None
     position_ids_BT: torch.Tensor | None = None
+    # A vision-language target's M-RoPE positions (time, height, width) as the target used
+    # them; when set, the draft rotates by these instead of position_ids_BT.
+    position_ids_3BT: torch.Tensor | None = None
     # Trailing positions only the shifts read (a sequence-parallel chunk's look-ahead, see
     # parallel/usp.py): neither computed nor counted.
     halo: int = 0
@@ -187,6 +191,9 @@ def ttt_forward(
     if positions_BT is None:
         positions_BT = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
     positions_BT = positions_BT[:, :span]
+    # [B, T] or M-RoPE's [3, B, T]: either way step i rotates by pos_t + i
+    positions = positions_BT if batch.position_ids_3BT is None else batch.position_ids_3BT
+    positions = positions[..., :span]
     documents_BT = None if batch.document_ids_BT is None else batch.document_ids_BT[:, :span]
     attention_valid = None if bool(valid[:, :span].all()) else valid[:, :span]  # None: no padding
     attend: AttentionBackend | AttentionFn = attention
@@ -223,7 +230,7 @@ def ttt_forward(
             draft,
             shift_left(input_ids, 1 + step)[:, :span],
             hidden_BTH,
-            positions_BT + step,
+            positions + step,
             attention_valid,
             documents_BT,
             keys,

@@ -136,6 +136,9 @@ class TargetOutput:
 
     aux_BTA: torch.Tensor  # concat of the three aux layer outputs, [B, T, 3H]
     final_hidden_BTH: torch.Tensor  # after the final norm, input of the lm_head
+    # A vision-language target's M-RoPE positions [3, B, T] (time, height, width), which
+    # the draft rotates by too; None for text-only targets.
+    position_ids_3BT: torch.Tensor | None = None
 
 
 class TargetBackend(Protocol):

@@ -6,6 +6,11 @@ stops before the lm_head (the teacher is computed in chunks from the final hidde
 With a tp mesh (``parallel.tp`` > 1) the model is sharded over the tp ranks and every forward
 runs on the tp group's micro-batches together; each rank gets back its own rows
 (``eagleforge.parallel.tp``).
+
+A vision-language target (a config with a ``vision_config``, e.g. Qwen2.5-VL) loads as an
+image-text-to-text model: its vision tower encodes the batch's images into the image-token
+positions, the aux states come from its language model's decoder layers, and the 3-D M-RoPE
+positions it computes (``get_rope_index``) are returned for the draft. No tp for those.
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ class HFTarget:
         self.model = model.eval().requires_grad_(False)
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.config = model.config
+        # Qwen2-VL family: the inner model merges image features and computes M-RoPE positions.
+        inner = getattr(model, "model", None)
+        self.is_vlm = hasattr(inner, "get_rope_index") and hasattr(model.config, "vision_config")
+        if self.is_vlm and self.tp_mesh is not None:
+            raise ConfigError(
+                "parallel.tp > 1 does not shard a vision-language target; set parallel.tp=1."
+            )
         self.layers = _decoder_layers(model)
         num_layers = len(self.layers)
         self.aux_layer_ids = list(aux_layer_ids or default_aux_layer_ids(num_layers))
@@ -103,7 +115,8 @@ class HFTarget:
         tp_mesh: DeviceMesh | None = None,
     ) -> HFTarget:
         """Load with transformers; with ``tp_mesh`` (more than one rank) sharded over it."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         kwargs: dict[str, Any] = {
             "dtype": dtype,
@@ -111,12 +124,20 @@ class HFTarget:
             "trust_remote_code": trust_remote_code,
             "revision": revision,
         }
-        if tp_mesh is None or tp_mesh.size() == 1:
-            model: Any = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-            return cls(model.to(device), aux_layer_ids)
         config = AutoConfig.from_pretrained(
             model_dir, trust_remote_code=trust_remote_code, revision=revision
         )
+        if tp_mesh is None or tp_mesh.size() == 1:
+            # a vision-language checkpoint (vision tower included) that no causal-LM class
+            # loads, e.g. Qwen2.5-VL; Gemma 3 and Llama 4 keep loading as before
+            auto = (
+                AutoModelForImageTextToText
+                if hasattr(config, "vision_config")
+                and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                else AutoModelForCausalLM
+            )
+            model: Any = auto.from_pretrained(model_dir, **kwargs)
+            return cls(model.to(device), aux_layer_ids)
         check_tp_fits(config, tp_mesh.size())
         model = load_tensor_parallel(model_dir, tp_mesh, device, **kwargs)
         return cls(model, aux_layer_ids, tp_mesh)
@@ -134,11 +155,23 @@ class HFTarget:
         attention_mask_BT: torch.Tensor,
         document_ids_BT: torch.Tensor | None = None,
         position_ids_BT: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Aux and final hidden states; packed rows (``document_ids_BT``) get a block-diagonal
         causal mask and per-document positions, so documents never see each other.
 
+        A vision-language target also takes the batch's images (``pixel_values``, the
+        processor's patches of all images in order, and ``image_grid_thw`` [images, 3]).
+
         With a tp mesh every tp rank must call this (with its own micro-batch) in step."""
+        if self.is_vlm:
+            return self._forward_vlm(input_ids_BT, attention_mask_BT, pixel_values, image_grid_thw)
+        if pixel_values is not None:
+            raise ConfigError(
+                f"the batch carries images but the target {type(self.model).__name__} has no "
+                "vision tower; use a vision-language model (e.g. +model=qwen2_5_vl)."
+            )
         batch = (input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT)
         return forward_over_group(self.tp_mesh, self._forward, *batch)
 
@@ -189,6 +222,37 @@ class HFTarget:
             return masks[windows[0]]  # type: ignore[return-value]  # never None when packed
         sliding = next(w for w in windows if w is not None)
         return {"full_attention": masks[None], "sliding_attention": masks[sliding]}  # type: ignore[dict-item]
+
+    def _forward_vlm(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+    ) -> TargetOutput:
+        self._captured.clear()
+        inner = self.model.model
+        # text 0, image 1: what get_rope_index groups positions by
+        modality_BT = (input_ids_BT == self.config.image_token_id).int()
+        positions_3BT, _ = inner.get_rope_index(
+            input_ids_BT,
+            modality_BT,
+            image_grid_thw=image_grid_thw,
+            attention_mask=attention_mask_BT,
+        )
+        out = inner(
+            input_ids=input_ids_BT,
+            attention_mask=attention_mask_BT,
+            position_ids=positions_3BT,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            use_cache=False,
+        )
+        return TargetOutput(
+            aux_BTA=self.take_aux(),
+            final_hidden_BTH=out.last_hidden_state,
+            position_ids_3BT=positions_3BT,
+        )
 
     def take_aux(self) -> torch.Tensor:
         """The aux states [B, T, 3H] the hooks captured in the last forward of the model (also

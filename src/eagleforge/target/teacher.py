@@ -68,8 +68,10 @@ def teacher_batch(
     if "aux_hidden" in batch:  # offline: captured by eagleforge.prepare
         out = TargetOutput(batch["aux_hidden"], batch["final_hidden"])
     else:
+        # images go only to targets that take them (a VLM batch on another backend fails there)
+        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
         out = target.forward(
-            batch["input_ids"], batch["attention_mask"], document_ids, position_ids
+            batch["input_ids"], batch["attention_mask"], document_ids, position_ids, **images
         )
     # The teacher at position p is only ever used to predict a supervised token x_{p+1}.
     needed_BT = shift_left(batch["loss_mask"] & batch["attention_mask"], 1)
@@ -84,4 +86,5 @@ def teacher_batch(
         teacher=teacher,
         document_ids_BT=document_ids,
         position_ids_BT=position_ids,
+        position_ids_3BT=out.position_ids_3BT,
     )
