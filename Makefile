@@ -51,6 +51,7 @@ bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
 	$(TTT_STEP) --hidden-size 512 --intermediate-size 1792 --heads 8 --kv-heads 2 --vocab 128256 --draft-vocab 32000 --seq-len 1024
 	$(OFFLINE) $(PY) benchmarks/preprocess.py --rows 7168 --num-proc 1,2
 	$(OFFLINE) $(PY) benchmarks/feature_store.py --samples 2000 --hidden-size 1024 --json
+	$(OFFLINE) $(PY) benchmarks/target_forward.py --batch 4 --seq-len 512 --json
 
 # The shared tracking server: the store of local runs (outputs/mlflow.db) served over HTTP.
 MLFLOW_HOST ?= 127.0.0.1
