@@ -37,8 +37,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
-from eagleforge.parallel.tp import gather_group_batch
-from eagleforge.target import SGLangConfig, TargetConfig, TargetOutput
+from eagleforge.target import SGLangConfig, TargetConfig, TargetOutput, forward_over_group
 from eagleforge.target.source import ModelConfig, default_aux_layer_ids
 
 log = logging.getLogger(__name__)
@@ -659,14 +658,17 @@ class SGLangTarget:
                     "target=sglang numbers each row's tokens 0..n-1 itself; it cannot take "
                     "other position ids (packed or offset rows)."
                 )
-        if self.tp_mesh is None:
-            return self._forward(input_ids_BT, attention_mask_BT)
         # SGLang's tp ranks compute the same tokens together: one batch for the group.
-        group = gather_group_batch(self.tp_mesh, input_ids_BT, attention_mask_BT)
-        out = self._forward(group.input_ids_BT, group.attention_mask_BT)
-        return TargetOutput(group.own(out.aux_BTA), group.own(out.final_hidden_BTH))
+        batch = (input_ids_BT, attention_mask_BT, None, None)
+        return forward_over_group(self.tp_mesh, self._forward, *batch)
 
-    def _forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> TargetOutput:
+    def _forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        _document_ids_BT: None = None,  # checked in forward: never packed
+        _position_ids_BT: torch.Tensor | None = None,  # checked in forward: 0..n-1 per row
+    ) -> TargetOutput:
         sequences, layout = rows_to_sequences(input_ids_BT, attention_mask_BT)
         self._check_fits(layout)
         hidden = self._lm_head_VH.shape[1]
