@@ -141,6 +141,19 @@ def offline_inputs(
     return Inputs(train_set, eval_set, target, train_set.token_samples(), vocab_dir, None)
 
 
+def resolve_packing(config: EagleForgeConfig, target: Any) -> bool:
+    """data.packing, or when null whether this run packs: offline always, online when the
+    backend (target.supports_packing) and the target itself can mask packed documents."""
+    if config.data.features:
+        return config.data.packing is not False
+    blocker = target.packing_blocker()
+    if config.data.packing and blocker is not None:
+        raise ConfigError(f"data.packing=true: {blocker}; set data.packing=false.")
+    if config.data.packing is not None:
+        return config.data.packing
+    return blocker is None and config.target.supports_packing()
+
+
 def init_from(draft: Eagle3Draft, path: Path, target_num_layers: int) -> None:
     """Fine-tune: the draft's weights and vocab map from a checkpoint or a draft exported in
     any format (by any tool), checked first."""
@@ -243,13 +256,7 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
-    packing = (
-        config.data.packing
-        if config.data.packing is not None
-        # images: one row per conversation (packed rows would need per-document M-RoPE)
-        else not config.data.is_vlm
-        and (bool(config.data.features) or config.target.supports_packing())
-    )
+    packing = resolve_packing(config, target)
     if packing:
         log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
 

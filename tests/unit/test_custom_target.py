@@ -90,12 +90,19 @@ def _batches() -> list[tuple]:
     ]
 
 
-def test_custom_target_equals_transformers(checkpoint: Path) -> None:
+AUX = [3, 0, 2]  # distinct and out of order: the capture keeps this order
+
+
+def _targets(checkpoint: Path) -> tuple[HFTarget, CustomTarget]:
     cpu = torch.device("cpu")
-    hf = HFTarget.from_pretrained(checkpoint, TargetConfig(), torch.float32, cpu)
-    custom = CustomTarget.from_pretrained(checkpoint, torch.float32, cpu)
+    hf = HFTarget.from_pretrained(checkpoint, TargetConfig(), torch.float32, cpu, AUX)
+    return hf, CustomTarget.from_pretrained(checkpoint, torch.float32, cpu, AUX)
+
+
+def test_custom_target_equals_transformers(checkpoint: Path) -> None:
+    hf, custom = _targets(checkpoint)
     assert len(list(checkpoint.glob("*.safetensors"))) > 1
-    assert custom.aux_layer_ids == hf.aux_layer_ids == [1, 1, 1]
+    assert custom.aux_layer_ids == hf.aux_layer_ids == AUX
     torch.testing.assert_close(custom.lm_head_weight(), hf.lm_head_weight(), rtol=0, atol=0)
     torch.testing.assert_close(custom.input_embedding(), hf.input_embedding(), rtol=0, atol=0)
     for batch in _batches():
@@ -105,6 +112,25 @@ def test_custom_target_equals_transformers(checkpoint: Path) -> None:
             torch.testing.assert_close(
                 getattr(got, name) * real, getattr(want, name) * real, msg=name
             )
+
+
+def test_packed_rows_equal_their_documents_alone(checkpoint: Path) -> None:
+    """Both backends on a packed row (documents of 5, 7 and 3 tokens; Mistral's and Qwen2's
+    window is 5) against transformers on each document alone, where it builds its own
+    causal and sliding-window masks: an independent reference for the packed masks."""
+    hf, custom = _targets(checkpoint)
+    lengths = [5, 7, 3]
+    ids = torch.randint(0, 300, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    documents = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    alone = [hf.forward(part, torch.ones_like(part, dtype=torch.bool)) for part in
+             ids.split(lengths, dim=1)]  # fmt: skip
+    for target in (hf, custom):
+        packed = target.forward(ids, valid, documents, positions)
+        for name in ("aux_BTA", "final_hidden_BTH"):
+            want = torch.cat([getattr(out, name) for out in alone], dim=1)
+            torch.testing.assert_close(getattr(packed, name), want, msg=name)
 
 
 def test_target_custom_composes_and_packs() -> None:

@@ -157,6 +157,10 @@ class TargetBackend(Protocol):
 
     def lm_head_weight(self) -> torch.Tensor: ...
 
+    def packing_blocker(self) -> str | None:
+        """Why this target cannot run packed rows (several documents per row), or None."""
+        ...
+
 
 def forward_over_group(
     tp_mesh: DeviceMesh | None,

@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from eagleforge.draft.model import RMSNorm, rotate_half
 from eagleforge.errors import ConfigError
 from eagleforge.target import TargetConfig, TargetOutput, forward_over_group
-from eagleforge.target.masks import attention_masks, sliding_windows
-from eagleforge.target.source import ModelConfig, default_aux_layer_ids
+from eagleforge.target.masks import LayerAttention, attention_masks, layer_attention
+from eagleforge.target.source import ModelConfig, checked_aux_layer_ids
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,12 @@ def family_of(text: Any) -> Family:
         raise ConfigError(
             f"target=custom implements model types {sorted(FAMILIES)}, not "
             f"'{text.model_type}'; use target=hf for this model."
+        )
+    other = {a.kind for a in layer_attention(text)} - {"full_attention", "sliding_attention"}
+    if other:
+        raise ConfigError(
+            f"target=custom implements full and sliding-window attention, not the "
+            f"{sorted(other)} layers of this '{text.model_type}'; use target=hf."
         )
     if getattr(text, "hidden_act", "silu") != "silu":
         raise ConfigError(
@@ -99,14 +105,20 @@ class Attention(nn.Module):
         cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
         q_BNTD = q_BNTD * cos + rotate_half(q_BNTD) * sin
         k_BKTD = k_BKTD * cos + rotate_half(k_BKTD) * sin
-        out_BNTD = F.scaled_dot_product_attention(
-            q_BNTD,
-            k_BKTD,
-            v_BKTD,
-            attn_mask=mask_B1TT,
-            is_causal=mask_B1TT is None,
-            enable_gqa=True,
-        )
+        if mask_B1TT is None:  # causal kernels (flash on CUDA) take grouped heads as they are
+            out_BNTD = F.scaled_dot_product_attention(
+                q_BNTD, k_BKTD, v_BKTD, is_causal=True, enable_gqa=True
+            )
+        else:
+            # with a mask SDPA's GQA path falls back to the math kernel on CUDA; repeated
+            # key/value heads keep the memory-efficient kernel (and are no slower on CPU)
+            groups = q_BNTD.shape[1] // k_BKTD.shape[1]
+            out_BNTD = F.scaled_dot_product_attention(
+                q_BNTD,
+                k_BKTD.repeat_interleave(groups, dim=1),
+                v_BKTD.repeat_interleave(groups, dim=1),
+                attn_mask=mask_B1TT,
+            )
         return self.o_proj(out_BNTD.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
 
 
@@ -124,22 +136,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, text: Any, family: Family, window: int | None) -> None:
+    def __init__(self, text: Any, family: Family, attention: LayerAttention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps)
         self.self_attn = Attention(text, family)
         self.post_attention_layernorm = RMSNorm(text.hidden_size, text.rms_norm_eps)
         self.mlp = MLP(text)
-        self.window = window
+        self.attention = attention
 
     def forward(
         self,
         h_BTH: torch.Tensor,
         cos_BTD: torch.Tensor,
         sin_BTD: torch.Tensor,
-        masks: dict[int | None, torch.Tensor | None],  # by sliding window
+        masks: dict[LayerAttention, torch.Tensor | None],
     ) -> torch.Tensor:
-        mask = masks[self.window]
+        mask = masks[self.attention]
         h_BTH = h_BTH + self.self_attn(self.input_layernorm(h_BTH), cos_BTD, sin_BTD, mask)
         return h_BTH + self.mlp(self.post_attention_layernorm(h_BTH))  # type: ignore[no-any-return]
 
@@ -150,9 +162,9 @@ class Decoder(nn.Module):
     def __init__(self, text: Any) -> None:
         super().__init__()
         family = family_of(text)
-        self.windows = sliding_windows(text)
+        self.attention = layer_attention(text)
         self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(text, family, window) for window in self.windows)
+        self.layers = nn.ModuleList(DecoderLayer(text, family, a) for a in self.attention)
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
     def forward(
@@ -160,7 +172,7 @@ class Decoder(nn.Module):
         input_ids_BT: torch.Tensor,
         cos_BTD: torch.Tensor,
         sin_BTD: torch.Tensor,
-        masks: dict[int | None, torch.Tensor | None],  # by sliding window
+        masks: dict[LayerAttention, torch.Tensor | None],
         capture: list[int],
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The outputs of the layers in ``capture`` and the final normed hidden state."""
@@ -286,17 +298,10 @@ class CustomTarget:
         text = config.get_text_config()
         self.decoder = decoder.eval().requires_grad_(False)
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
-        num_layers = len(decoder.layers)
-        self.aux_layer_ids = list(aux_layer_ids or default_aux_layer_ids(num_layers))
-        bad = [i for i in self.aux_layer_ids if not 0 <= i < num_layers]
-        if bad:
-            raise ConfigError(
-                f"model.aux_layer_ids {self.aux_layer_ids} has ids outside 0..{num_layers - 1} "
-                f"(the target has {num_layers} layers)."
-            )
+        self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, len(decoder.layers))
         self._lm_head_VH = lm_head_VH
         self._rotary = Rotary(text, device)
-        self._windows = set(decoder.windows)
+        self._attention = set(decoder.attention)
 
     @classmethod
     def from_config(
@@ -373,10 +378,15 @@ class CustomTarget:
         if position_ids_BT is None:
             seq = input_ids_BT.shape[1]
             position_ids_BT = torch.arange(seq, device=input_ids_BT.device).expand_as(input_ids_BT)
-        masks = attention_masks(attention_mask_BT, document_ids_BT, position_ids_BT, self._windows)
+        masks = attention_masks(
+            attention_mask_BT, document_ids_BT, position_ids_BT, self._attention
+        )
         cos_BTD, sin_BTD = self._rotary(position_ids_BT, self._lm_head_VH.dtype)
         aux, final_BTH = self.decoder(input_ids_BT, cos_BTD, sin_BTD, masks, self.aux_layer_ids)
         return TargetOutput(aux_BTA=torch.cat(aux, dim=-1), final_hidden_BTH=final_BTH)
+
+    def packing_blocker(self) -> str | None:
+        return None  # its masks cover every layer kind it implements
 
     def input_embedding(self) -> torch.Tensor:
         return self.decoder.embed_tokens.weight

@@ -71,6 +71,9 @@ class HeadOnlyTarget:
             "this batch has none (is data.features set for every loader?)"
         )
 
+    def packing_blocker(self) -> str | None:
+        return None  # stored features: the draft alone sees the packed rows
+
     def input_embedding(self) -> torch.Tensor:
         return self._embedding
 

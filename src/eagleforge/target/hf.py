@@ -24,18 +24,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.tp import check_tp_fits, full_weight, load_tensor_parallel
 from eagleforge.target import TargetConfig, TargetOutput, forward_over_group
-from eagleforge.target.masks import attention_masks, sliding_windows
-from eagleforge.target.source import ModelConfig, default_aux_layer_ids
+from eagleforge.target.masks import attention_masks, layer_attention, unmaskable_kinds
+from eagleforge.target.source import ModelConfig, checked_aux_layer_ids
+
+# Vision-language targets whose M-RoPE (contiguous time/height/width sections) the draft
+# implements.
+MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
-def _decoder_layers(model: Any) -> torch.nn.ModuleList:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ConfigError(
-            f"cannot find decoder layers in {type(model).__name__}; use a decoder-only LLM."
-        )
-    return layers
+def _decoder(model: Any) -> Any:
+    """The model's decoder stack (embeddings, layers, final norm): ``get_decoder()``, or
+    ``.model`` where ``get_decoder()`` returns the whole model (Llama 4 in transformers 5.24)."""
+    candidates = (getattr(model, "get_decoder", lambda: None)(), getattr(model, "model", None))
+    for base in candidates:
+        if base is not None and base is not model and hasattr(base, "layers"):
+            return base
+    raise ConfigError(
+        f"cannot find decoder layers in {type(model).__name__}; use a decoder-only LLM."
+    )
 
 
 class HFTarget:
@@ -54,19 +60,20 @@ class HFTarget:
         # Qwen2-VL family: the inner model merges image features and computes M-RoPE positions.
         inner = getattr(model, "model", None)
         self.is_vlm = hasattr(inner, "get_rope_index") and hasattr(model.config, "vision_config")
+        if self.is_vlm and model.config.model_type not in MROPE_MODEL_TYPES:
+            # other M-RoPE layouts (Qwen3-VL's interleaved sections, GLM-4V's) would train a
+            # draft that rotates unlike its target
+            raise ConfigError(
+                f"model.path: the vision-language target type '{model.config.model_type}' is "
+                f"not supported (its M-RoPE layout); supported: {sorted(MROPE_MODEL_TYPES)}."
+            )
         if self.is_vlm and self.tp_mesh is not None:
             raise ConfigError(
                 "parallel.tp > 1 does not shard a vision-language target; set parallel.tp=1."
             )
-        self.layers = _decoder_layers(model)
-        num_layers = len(self.layers)
-        self.aux_layer_ids = list(aux_layer_ids or default_aux_layer_ids(num_layers))
-        bad = [i for i in self.aux_layer_ids if not 0 <= i < num_layers]
-        if bad:
-            raise ConfigError(
-                f"model.aux_layer_ids {self.aux_layer_ids} has ids outside 0..{num_layers - 1} "
-                f"(the target has {num_layers} layers)."
-            )
+        self.decoder = _decoder(model)
+        self.layers = self.decoder.layers
+        self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, len(self.layers))
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in self.aux_layer_ids:
             self.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
@@ -166,6 +173,10 @@ class HFTarget:
 
         With a tp mesh every tp rank must call this (with its own micro-batch) in step."""
         if self.is_vlm:
+            if document_ids_BT is not None:
+                raise ConfigError(
+                    f"data.packing: {self.packing_blocker()}; set data.packing=false."
+                )
             return self._forward_vlm(input_ids_BT, attention_mask_BT, pixel_values, image_grid_thw)
         if pixel_values is not None:
             raise ConfigError(
@@ -183,11 +194,10 @@ class HFTarget:
         position_ids_BT: torch.Tensor | None,
     ) -> TargetOutput:
         self._captured.clear()
-        base = self.model.get_decoder()
         mask: torch.Tensor | dict[str, torch.Tensor] = attention_mask_BT
         if document_ids_BT is not None:
             mask = self._packed_mask(attention_mask_BT, document_ids_BT, position_ids_BT)
-        out = base(
+        out = self.decoder(
             input_ids=input_ids_BT,
             attention_mask=mask,
             position_ids=position_ids_BT,
@@ -195,33 +205,42 @@ class HFTarget:
         )
         return TargetOutput(aux_BTA=self.take_aux(), final_hidden_BTH=out.last_hidden_state)
 
+    def packing_blocker(self) -> str | None:
+        """Why this target cannot run packed rows (several documents per row), or None."""
+        if self.is_vlm:
+            return (
+                "a vision-language target needs each conversation's own M-RoPE positions, "
+                "which packed rows do not carry"
+            )
+        text = self.config.get_text_config()
+        kinds = unmaskable_kinds(text)
+        if kinds:
+            return f"the {kinds} layers of '{text.model_type}' cannot be masked per document"
+        return None
+
     def _packed_mask(
         self,
         attention_mask_BT: torch.Tensor,
         document_ids_BT: torch.Tensor,
         position_ids_BT: torch.Tensor | None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The mask of packed rows: causal within each document (the TTT's step-0 mask) and
-        within the sliding window of sliding layers. transformers uses a 4-D mask as given,
-        so the window is applied here: one mask, or one per layer type for models that mix
-        full and sliding layers."""
-        text = self.config.get_text_config()
-        kinds = set(getattr(text, "layer_types", None) or ())
-        if kinds - {"full_attention", "sliding_attention"}:
-            raise ConfigError(
-                f"data.packing: target=hf cannot mask packed documents for '{text.model_type}' "
-                f"layers of kinds {sorted(kinds)}; set data.packing=false."
-            )
+        """The mask of packed rows: causal within each document (the TTT's step-0 mask), and
+        within the window or chunk of sliding / chunked layers. transformers uses a 4-D mask
+        as given, so these are applied here: one mask, or one per layer type for models that
+        mix kinds of layers."""
+        blocker = self.packing_blocker()
+        if blocker is not None:
+            raise ConfigError(f"data.packing: {blocker}; set data.packing=false.")
         if position_ids_BT is None:
             position_ids_BT = torch.arange(
                 attention_mask_BT.shape[1], device=attention_mask_BT.device
             ).expand_as(attention_mask_BT)
-        windows = sliding_windows(text)
-        masks = attention_masks(attention_mask_BT, document_ids_BT, position_ids_BT, set(windows))
-        if len(set(windows)) == 1:
-            return masks[windows[0]]  # type: ignore[return-value]  # never None when packed
-        sliding = next(w for w in windows if w is not None)
-        return {"full_attention": masks[None], "sliding_attention": masks[sliding]}  # type: ignore[dict-item]
+        layers = set(layer_attention(self.config.get_text_config()))
+        masks = attention_masks(attention_mask_BT, document_ids_BT, position_ids_BT, layers)
+        # packed rows always need a mask: never None here
+        if len(layers) == 1:
+            return masks[layers.pop()]  # type: ignore[return-value]
+        return {layer.kind: masks[layer] for layer in layers}  # type: ignore[misc]
 
     def _forward_vlm(
         self,

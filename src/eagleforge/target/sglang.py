@@ -708,6 +708,9 @@ class SGLangTarget:
                 "target.sglang.max_running_requests or lower the batch size."
             )
 
+    def packing_blocker(self) -> str | None:
+        return "target=sglang runs each row as one SGLang sequence"
+
     def input_embedding(self) -> torch.Tensor:
         return self._embedding_VH
 

@@ -116,6 +116,17 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def checked_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
+    """``aux_layer_ids`` (default: EAGLE-3's) after checking they are layers of the target."""
+    ids = list(aux_layer_ids or default_aux_layer_ids(num_layers))
+    if any(not 0 <= i < num_layers for i in ids):
+        raise ConfigError(
+            f"model.aux_layer_ids {ids} has ids outside 0..{num_layers - 1} "
+            f"(the target has {num_layers} layers)."
+        )
+    return ids
+
+
 def resolve_model_dir(cfg: ModelConfig, cache_dir: str | Path) -> Path | str:
     """A local HF directory (or hub id) holding the target's weights and tokenizer."""
     if cfg.source == ModelSource.pretrained:
