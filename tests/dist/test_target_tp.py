@@ -104,9 +104,12 @@ def test_each_tp_rank_gets_its_own_rows(
     _check_against_one_process(ranks, model_dir)
 
 
-def test_tp_groups_beside_data_parallel_ranks(tiny: tuple[ModelConfig, Path]) -> None:
+@pytest.mark.parametrize("backend", [TargetBackendKind.hf, TargetBackendKind.custom])
+def test_tp_groups_beside_data_parallel_ranks(
+    tiny: tuple[ModelConfig, Path], backend: TargetBackendKind
+) -> None:
     model_cfg, model_dir = tiny
-    ranks = run_ranks(_tp_rank, 4, model_cfg, model_dir, 2, TargetBackendKind.hf)
+    ranks = run_ranks(_tp_rank, 4, model_cfg, model_dir, 2, backend)
     assert [r[1] for r in ranks] == [0, 1, 0, 1]
     _check_against_one_process(ranks, model_dir)
 

@@ -170,3 +170,31 @@ def test_missing_and_misshapen_tensors_name_the_checkpoint(
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     with pytest.raises(ConfigError, match=r"gate_proj.weight has shape \(96, 64\) .* \(128, 64\)"):
         CustomTarget.from_pretrained(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_llama4_chunked_attention_packs_per_document(tmp_path: Path) -> None:
+    """transformers' Llama 4 (chunked-attention layers beside full ones, found through its
+    decoder although get_decoder() returns the whole model): a packed row equals its
+    documents alone, with documents longer than the attention chunk."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        **{**SHAPE, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=96,
+        num_local_experts=2, attention_chunk_size=4,
+    )  # fmt: skip
+    assert config.layer_types[0] == "chunked_attention"
+    torch.manual_seed(0)
+    Llama4ForCausalLM(config).save_pretrained(tmp_path)
+    target = HFTarget.from_pretrained(
+        tmp_path, TargetConfig(), torch.float32, torch.device("cpu"), [0, 2, 1]
+    )
+    assert target.packing_blocker() is None
+    lengths = [6, 9]
+    ids = torch.randint(0, 300, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    documents = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    packed = target.forward(ids, torch.ones_like(ids, dtype=torch.bool), documents, positions)
+    alone = [target.forward(p, torch.ones_like(p, dtype=torch.bool)) for p in ids.split(lengths, 1)]
+    for name in ("aux_BTA", "final_hidden_BTH"):
+        want = torch.cat([getattr(out, name) for out in alone], dim=1)
+        torch.testing.assert_close(getattr(packed, name), want, msg=name)

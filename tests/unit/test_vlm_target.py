@@ -72,3 +72,33 @@ def test_vlm_forward_captures_language_layers_and_returns_mrope(cache_dir: Path)
     embedding = target.model.get_input_embeddings().weight
     assert target.input_embedding() is embedding
     assert target.lm_head_weight().shape == embedding.shape
+
+
+def test_vlm_target_refuses_packed_rows_and_is_never_auto_packed(cache_dir: Path) -> None:
+    """A text-only run on a VLM target (data.is_vlm=false) must not pack: the target's M-RoPE
+    positions would run straight across the documents."""
+    from eagleforge.config import compose_config, to_typed
+    from eagleforge.errors import ConfigError
+    from eagleforge.train import resolve_packing
+
+    model_dir = random_qwen2_5_vl_dir(RandomModelConfig(), cache_dir)
+    target = HFTarget.from_pretrained(model_dir, TargetConfig(), torch.float32, torch.device("cpu"))
+    assert "M-RoPE" in (target.packing_blocker() or "")
+    text_run = ["+model=tiny_vl", "data=chitchat", "data.is_vlm=false", "output_dir=x"]
+    assert not resolve_packing(to_typed(compose_config(text_run)), target)
+    with pytest.raises(ConfigError, match="data.packing=true: a vision-language target"):
+        resolve_packing(to_typed(compose_config([*text_run, "data.packing=true"])), target)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ConfigError, match="data.packing"):
+        target.forward(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[0, 0, 1, 1]]))
+
+
+def test_other_mrope_layouts_are_refused(cache_dir: Path) -> None:
+    """Another M-RoPE model type is refused, not trained with rotations unlike its target's."""
+    from eagleforge.errors import ConfigError
+
+    model_dir = random_qwen2_5_vl_dir(RandomModelConfig(), cache_dir)
+    target = HFTarget.from_pretrained(model_dir, TargetConfig(), torch.float32, torch.device("cpu"))
+    target.model.config.model_type = "qwen3_vl"  # as a Qwen3-VL config says
+    with pytest.raises(ConfigError, match="'qwen3_vl' is not supported"):
+        HFTarget(target.model)
