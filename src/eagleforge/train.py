@@ -106,7 +106,12 @@ def online_inputs(
     target = build_target(
         config.model, config.target, model_dir, world.device, tp_mesh=tp_axis(world.mesh)
     )
-    vocab_dir = Path(cache_dir) / "vocab" / data.cache_key
+    key = data.cache_key
+    if data.train.images is not None:
+        # image sizes (not in the cache key) decide which conversations fit data.max_length
+        kept = json.dumps(data.train.lengths()).encode()
+        key += "-" + hashlib.sha256(kept).hexdigest()[:12]
+    vocab_dir = Path(cache_dir) / "vocab" / key
     if processor is not None and not getattr(target, "is_vlm", False):
         raise ConfigError(
             f"data.is_vlm=true but the target ({model_dir}) has no vision tower; choose a "

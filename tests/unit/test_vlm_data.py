@@ -148,6 +148,41 @@ def test_image_tokens_are_widened_and_never_supervised(
     assert not (tmp_path / "cache" / "data").exists()
 
 
+def test_large_and_exif_rotated_images_get_the_processors_token_count(
+    tmp_path: Path, processor: VisionProcessor
+) -> None:
+    """A photo far above max_pixels is downscaled, and a JPEG stored sideways with an EXIF
+    orientation is read upright (as transformers' load_image reads it): token counts and
+    grids exactly as the image processor gives them for the upright images."""
+    from PIL import ImageOps
+
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (3000, 2000), (20, 90, 160)).save(tmp_path / "img" / "big.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 60 x 140, shown rotated: 140 x 60
+    Image.new("RGB", (60, 140), (90, 20, 160)).save(tmp_path / "img" / "side.jpg", exif=exif)
+    rows = [
+        {"messages": [{"role": "user", "content": "Look.", "images": [f"img/{name}"]},
+                      {"role": "assistant", "content": "Seen."}]}
+        for name in ("big.png", "side.jpg")
+    ]  # fmt: skip
+    cfg = vlm_config(write_rows(tmp_path / "rows.jsonl", rows))
+    train = build_datasets(cfg, processor.tokenizer, tmp_path / "cache", 0, processor).train
+    collate = Collator(0, processor.image_processor, processor.image_token_id)
+    grids = []
+    for index, name in enumerate(("big.png", "side.jpg")):
+        with Image.open(tmp_path / "img" / name) as image:
+            upright = ImageOps.exif_transpose(image).convert("RGB")
+        grid = processor.image_processor(images=[upright], return_tensors="pt")["image_grid_thw"]
+        grids.append(grid[0].tolist())
+        ids = train[index][0]
+        assert sum(1 for t in ids if t == processor.image_token_id) == int(grid.prod()) // 4
+        # the collator reads it upright too: the grid (and so the M-RoPE rows) agree
+        assert collate([train[index]])["image_grid_thw"].tolist() == grid.tolist()
+    assert grids[0][1] * grids[0][2] * 14 * 14 <= MAX_PIXELS  # downscaled
+    assert grids[1][1] < grids[1][2]  # wider than tall once upright
+
+
 def test_collator_batches_varying_image_counts(tmp_path: Path, processor: VisionProcessor) -> None:
     write_images(tmp_path)
     cfg = vlm_config(write_rows(tmp_path / "rows.jsonl", ROWS))
@@ -163,7 +198,7 @@ def test_collator_batches_varying_image_counts(tmp_path: Path, processor: Vision
     assert "pixel_values" not in collate([train[3]])  # a batch without images
     # an image that changed size since preprocessing is caught
     Image.new("RGB", (112, 112)).save(tmp_path / "img" / "wide.png")
-    with pytest.raises(DataError, match="changed size"):
+    with pytest.raises(DataError, match=r"images \[.*wide.png'\] need \d+ image tokens"):
         collate([train[0]])
 
 

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Bump when rendering, tokenization or masking changes, so old cache entries are not reused.
-PIPELINE_VERSION = 3
+PIPELINE_VERSION = 4  # 4: rows with images are image_error rows in text runs
 CHUNK_ROWS = 256
 
 
@@ -615,7 +615,7 @@ class Collator:
         batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask}
         if len(samples[0]) == 3:
             batch.update(self._images([path for sample in samples for path in sample[2]]))
-            self._check_image_tokens(batch)
+            self._check_image_tokens(batch, [sample[2] for sample in samples])
         if len(samples[0]) == 4:
             for key, position in (("aux_hidden", 2), ("final_hidden", 3)):
                 first = samples[0][position]
@@ -632,13 +632,14 @@ class Collator:
             raise ValueError(
                 "vision-language samples need Collator(image_processor=..., image_token_id=...)"
             )
-        from PIL import Image
+        from PIL import Image, ImageOps
 
         images = []
         for path in paths:
             try:
                 with Image.open(path) as image:
-                    images.append(image.convert("RGB"))
+                    # upright, as transformers' load_image (and serving) reads it
+                    images.append(ImageOps.exif_transpose(image).convert("RGB"))
             except OSError as e:
                 raise DataError(
                     f"image {path} cannot be read ({e}); it was readable when the data was "
@@ -647,18 +648,22 @@ class Collator:
         out = self.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
-    def _check_image_tokens(self, batch: dict[str, torch.Tensor]) -> None:
-        """The images' token counts still match the placeholders written at preprocessing."""
+    def _check_image_tokens(self, batch: dict[str, torch.Tensor], paths: list[list[str]]) -> None:
+        """Each sample's images still need the image tokens written at preprocessing."""
         grid = batch.get("image_grid_thw")
         merged = int(getattr(self.image_processor, "merge_size", 1)) ** 2
-        expected = 0 if grid is None else int((grid.prod(-1) // merged).sum())
+        tokens = [] if grid is None else (grid.prod(-1) // merged).tolist()
         image_id = -1 if self.image_token_id is None else self.image_token_id
-        found = int(batch["input_ids"].eq(image_id).sum())
-        if expected != found:
-            raise DataError(
-                f"this batch's images need {expected} image tokens but the preprocessed "
-                f"samples hold {found}: an image file changed size since preprocessing; rerun."
-            )
+        found = batch["input_ids"].eq(image_id).sum(-1).tolist()
+        start = 0
+        for row, sample_paths in enumerate(paths):
+            expected = sum(tokens[start : start + len(sample_paths)])
+            start += len(sample_paths)
+            if expected != found[row]:
+                raise DataError(
+                    f"images {sample_paths} need {expected} image tokens but their preprocessed "
+                    f"sample holds {found[row]}: a file changed since preprocessing; rerun it."
+                )
 
 
 def pack_indices(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:

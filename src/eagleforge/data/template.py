@@ -257,6 +257,9 @@ class VisionTemplate(TokenizerTemplate):
         return rendered
 
 
+ORIENTATION_TAG = 0x0112  # EXIF "Orientation"
+
+
 @dataclass
 class VisionSettings:
     """What expanding image placeholders needs (picklable, for worker processes)."""
@@ -279,6 +282,9 @@ class VisionSettings:
         try:
             with Image.open(path) as image:
                 width, height = image.size
+                # EXIF orientations 5-8 are turned by 90 degrees when the image is read upright
+                if image.getexif().get(ORIENTATION_TAG, 1) in (5, 6, 7, 8):
+                    width, height = height, width
         except (OSError, UnidentifiedImageError) as e:
             raise RowError(
                 SkipReason.image_error,
