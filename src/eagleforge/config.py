@@ -143,13 +143,15 @@ class EagleForgeConfig:
                 self.target.backend != TargetBackendKind.hf
             ),
             "trainer.eval_tau_every_n_steps": bool(self.trainer.eval_tau_every_n_steps),
+            # sequence parallelism cuts 1-D positions only
+            f"parallel.sp_ulysses x sp_ring = {self.parallel.sp}": self.parallel.sp > 1,
         }
         for name, set_ in refused.items():
             if set_:
                 raise ConfigError(
                     f"{name} is not supported with data.is_vlm=true (vision-language targets "
-                    "train online with the hf backend on whole-target ranks); change it, or "
-                    "see docs/vlm.md."
+                    "run with the hf backend on whole-target ranks); change it, or see "
+                    "docs/vlm.md."
                 )
 
     def resolved_cache_dir(self) -> Path:

@@ -36,7 +36,12 @@ from eagleforge.data.features import (
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
 from eagleforge.target import TargetBackend, build_target
-from eagleforge.target.source import load_tokenizer, resolve_model_dir
+from eagleforge.target.source import (
+    VisionProcessor,
+    load_processor,
+    load_tokenizer,
+    resolve_model_dir,
+)
 
 log = logging.getLogger("eagleforge.prepare")
 
@@ -53,14 +58,19 @@ def expected_manifest(config: EagleForgeConfig, model_dir: Path, target: Any) ->
         "aux_layer_ids": list(target.aux_layer_ids),
         "template": config.data.template,
         "max_length": config.data.max_length,
+        "mrope": config.data.is_vlm,
     }
 
 
-def bytes_per_token(hidden_size: int, dtype: torch.dtype, compress: Compression) -> int:
-    """aux (3 H) + final (H) hidden states, int32 id and uint8 mask (+ 4 fp32 scales)."""
+def bytes_per_token(
+    hidden_size: int, dtype: torch.dtype, compress: Compression, mrope: bool = False
+) -> int:
+    """aux (3 H) + final (H) hidden states, int32 id and uint8 mask (+ 4 fp32 scales, + 3
+    int32 M-RoPE positions)."""
+    extra = 5 + (3 * 4 if mrope else 0)
     if compress == Compression.fp8:
-        return 4 * hidden_size + 4 * 4 + 5
-    return 4 * hidden_size * dtype.itemsize + 5
+        return 4 * hidden_size + 4 * 4 + extra
+    return 4 * hidden_size * dtype.itemsize + extra
 
 
 def capture_split(
@@ -71,8 +81,11 @@ def capture_split(
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
+    processor: VisionProcessor | None = None,
 ) -> dict[str, int]:
-    """Capture the missing shards of this rank into ``store``; counts of what was written."""
+    """Capture the missing shards of this rank into ``store``; counts of what was written.
+    With ``processor`` (vision-language data) the samples' images go to the target, and its
+    M-RoPE positions are stored with each sample."""
     store.mkdir(parents=True, exist_ok=True)
     if (store / "manifest.json").is_file():
         # continuing a capture: every field must agree, the dtype and shard layout included
@@ -89,16 +102,31 @@ def capture_split(
     tokens = sum(sum(lengths[s * per_shard : (s + 1) * per_shard]) for s in todo)
     counts = {"shards": len(todo), "samples": 0, "tokens": 0, "nonfinite": 0}
     device = target.lm_head_weight().device
-    collate = Collator(pad_token_id=0)
+    collate = Collator(
+        0,
+        processor.image_processor if processor is not None else None,
+        processor.image_token_id if processor is not None else None,
+    )
     bar = tqdm(total=tokens, desc=f"capture {store.name}", unit="tok", unit_scale=True)
     for shard in todo:
         indices = list(range(shard * per_shard, min((shard + 1) * per_shard, len(dataset))))
-        samples, nonfinite = [], []
+        samples: list[tuple[Any, ...]] = []
+        nonfinite: list[int] = []
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
             batch = collate([dataset[i] for i in chunk])
-            out = target.forward(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            images = {
+                k: batch[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in batch
+            }
+            ids_BT, mask_BT = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            out = target.forward(ids_BT, mask_BT, **images)
             aux_BTA, final_BTH = out.aux_BTA.cpu(), out.final_hidden_BTH.cpu()  # one copy
+            positions_3BT = out.position_ids_3BT
+            if manifest.mrope and positions_3BT is None:
+                raise ConfigError(
+                    "data.is_vlm=true but the target returned no M-RoPE positions; capture a "
+                    "vision-language target (e.g. +model=qwen2_5_vl) or set data.is_vlm=false."
+                )
             for row, index in enumerate(chunk):
                 n = lengths[index]
                 aux, final = aux_BTA[row, :n], final_BTH[row, :n]
@@ -106,7 +134,11 @@ def capture_split(
                     nonfinite.append(index)
                     continue
                 ids, mask = batch["input_ids"][row, :n], batch["loss_mask"][row, :n]
-                samples.append((index, ids, mask, aux, final))
+                if manifest.mrope:
+                    assert positions_3BT is not None
+                    samples.append((index, ids, mask, aux, final, positions_3BT[:, row, :n].cpu()))
+                else:
+                    samples.append((index, ids, mask, aux, final))
             bar.update(sum(lengths[i] for i in chunk))
         record = write_shard(store, shard, samples, nonfinite, Compression(manifest.compress))
         counts["samples"] += record["samples"]
@@ -125,12 +157,6 @@ def capture_split(
 
 def run(config: EagleForgeConfig) -> Path:
     cfg = config.prepare
-    if config.data.is_vlm:
-        raise ConfigError(
-            "data.is_vlm=true: feature stores hold no images or M-RoPE positions, so "
-            "vision-language targets train online only; run eagleforge.train without "
-            "data.features (see docs/vlm.md)."
-        )
     if not cfg.output_dir:
         raise ConfigError(
             "prepare.output_dir is not set: give the directory for the feature store."
@@ -141,12 +167,17 @@ def run(config: EagleForgeConfig) -> Path:
     cache_dir = config.resolved_cache_dir()
     model_dir = resolve_model_dir(config.model, cache_dir)
     tokenizer = load_tokenizer(config.model, model_dir)
-    data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    processor = (
+        load_processor(config.model, model_dir, config.data.min_pixels, config.data.max_pixels)
+        if config.data.is_vlm
+        else None
+    )
+    data = build_datasets(config.data, tokenizer, cache_dir, config.seed, processor)
     dtype = config.model.dtype.torch_dtype(device)
     target = build_target(config.model, config.target, model_dir, device)
     fields = expected_manifest(config, Path(model_dir), target)
     splits = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
-    per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress)  # type: ignore[call-overload]
+    per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress, config.data.is_vlm)  # type: ignore[call-overload]
     tokens = sum(d.num_tokens() for _, d in splits)
     needed = tokens * per_token
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +204,9 @@ def run(config: EagleForgeConfig) -> Path:
             num_shards=-(-len(dataset) // cfg.samples_per_shard),
             compress=cfg.compress.value,
         )
-        counts = capture_split(out / split, dataset, manifest, target, cfg.batch_size, rank, world)
+        counts = capture_split(
+            out / split, dataset, manifest, target, cfg.batch_size, rank, world, processor
+        )
         seconds = time.perf_counter() - start
         print(
             f"{split}: wrote {counts['shards']} shards, {counts['samples']} samples, "

@@ -263,7 +263,6 @@ BASE = ["+model=tiny_vl", "data=vlm", "data.path=/tmp/unused.jsonl", "output_dir
     ("override", "field"),
     [
         ("data.packing=true", "data.packing"),
-        ("data.features=/tmp/features", "data.features"),
         ("data.template=chatml", "data.template"),
         ("data.preformatted=true", "data.preformatted"),
         ("parallel.tp=2", "parallel.tp=2"),
@@ -275,6 +274,16 @@ BASE = ["+model=tiny_vl", "data=vlm", "data.path=/tmp/unused.jsonl", "output_dir
 def test_unsupported_vlm_options_are_refused_at_compose_time(override: str, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         to_typed(compose_config([*BASE, override]))
+
+
+def test_vlm_sequence_parallelism_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline VLM stores are fine, but sp would cut the 1-D positions only."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    offline = [*BASE, "data.features=/tmp/features"]
+    to_typed(compose_config([*offline, "data.packing=true"]))  # packed offline rows: fine
+    usp = ["parallel.sp_ulysses=2", "parallel.dp=1", "draft.attention=usp"]
+    with pytest.raises(ConfigError, match=r"parallel\.sp_ulysses x sp_ring = 2"):
+        to_typed(compose_config([*offline, *usp]))
 
 
 def test_vlm_entries_compose() -> None:

@@ -151,14 +151,16 @@ class DataConfig:
         refused = {
             "data.template": self.template != "auto",  # named templates place no images
             "data.preformatted": self.preformatted,
-            "data.packing": self.packing is True,
-            "data.features": bool(self.features),
+            # online, packed rows would need per-document M-RoPE positions; a feature store
+            # keeps each sample's own, so offline rows pack
+            "data.packing": self.packing is True and not self.features,
         }
         for name, set_ in refused.items():
             if set_:
                 raise ConfigError(
                     f"{name} is not supported with data.is_vlm=true (images are rendered with "
-                    f"the processor's template and trained online, unpacked); unset {name}."
+                    "the processor's template; online batches are padded, not packed); "
+                    f"unset {name}."
                 )
 
     def sources(self) -> list[str]:
@@ -593,7 +595,8 @@ def build_datasets(
 class Collator:
     """Right-pads a list of samples into tensors: input_ids, attention_mask, loss_mask [B, T];
     samples from a feature store also carry aux [T, A] and final [T, H] hidden states, padded
-    with zeros into aux_hidden [B, T, A] and final_hidden [B, T, H].
+    with zeros into aux_hidden [B, T, A] and final_hidden [B, T, H], and a vision-language
+    store's M-RoPE positions [3, T] into mrope_position_ids [3, B, T].
 
     Vision-language samples (ids, mask, image paths) also give the images of the whole batch,
     in sample order, through ``image_processor``: pixel_values [patches, C*t*p*p] and
@@ -616,13 +619,18 @@ class Collator:
         if len(samples[0]) == 3:
             batch.update(self._images([path for sample in samples for path in sample[2]]))
             self._check_image_tokens(batch, [sample[2] for sample in samples])
-        if len(samples[0]) == 4:
+        if len(samples[0]) >= 4:
             for key, position in (("aux_hidden", 2), ("final_hidden", 3)):
                 first = samples[0][position]
                 out = first.new_zeros(len(samples), length, first.shape[-1])
                 for row, sample in enumerate(samples):
                     out[row, : len(sample[position])] = sample[position]
                 batch[key] = out
+        if len(samples[0]) == 5:  # stored M-RoPE positions [3, T]; zeros at padding
+            positions_3BT = torch.zeros(3, len(samples), length, dtype=torch.long)
+            for row, sample in enumerate(samples):
+                positions_3BT[:, row, : sample[4].shape[1]] = sample[4]
+            batch["mrope_position_ids"] = positions_3BT
         return batch
 
     def _images(self, paths: list[str]) -> dict[str, torch.Tensor]:
@@ -700,9 +708,11 @@ class PackedCollator:
             ).unsqueeze(0),
             "position_ids": torch.cat([torch.arange(len(i)) for i in ids]).unsqueeze(0),
         }
-        if len(samples[0]) == 4:
+        if len(samples[0]) >= 4:
             batch["aux_hidden"] = torch.cat([sample[2] for sample in samples]).unsqueeze(0)
             batch["final_hidden"] = torch.cat([sample[3] for sample in samples]).unsqueeze(0)
+        if len(samples[0]) == 5:  # each document's own M-RoPE positions, back to back
+            batch["mrope_position_ids"] = torch.cat([s[4] for s in samples], 1).unsqueeze(1)
         return batch
 
 

@@ -6,7 +6,8 @@ Layout of a store directory (one per data split: ``train/``, ``eval/``)::
                               ids, template, max length, dtypes, planned shards and samples
     shard_00000.safetensors   the shard's samples back to back: input_ids int32 [N],
                               loss_mask uint8 [N], aux [N, 3·Ht], final [N, Ht],
-                              offsets int64 [n+1], sample_index int64 [n]
+                              offsets int64 [n+1], sample_index int64 [n], and for a
+                              vision-language target mrope_positions int32 [3, N]
     shard_00000.json          written after its shard: samples, tokens, bytes, sha256 and the
                               samples left out for non-finite values -- a shard counts as
                               complete only when this exists and the sizes agree
@@ -99,6 +100,8 @@ class Manifest:
     num_samples: int
     num_shards: int
     compress: str = Compression.none.value  # "fp8": aux/final stored as float8 + scales
+    # samples carry the target's M-RoPE positions [3, T] (a vision-language target)
+    mrope: bool = False
     format: str = FORMAT
     version: int = VERSION
 
@@ -174,14 +177,15 @@ def shard_complete(store: Path, index: int) -> bool:
 def write_shard(
     store: Path,
     index: int,
-    samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    samples: list[tuple[Any, ...]],
     nonfinite: list[int],
     compress: Compression = Compression.none,
 ) -> dict[str, Any]:
     """Write one shard atomically: samples are (sample index, ids [T], mask [T], aux [T, A],
-    final [T, H]); returns its sidecar record."""
+    final [T, H]) and, for a vision-language target, M-RoPE positions [3, T]; returns its
+    sidecar record."""
     name = shard_name(index)
-    lengths = [len(ids) for _, ids, _, _, _ in samples]
+    lengths = [len(sample[1]) for sample in samples]
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     aux, final = torch.cat([s[3] for s in samples]), torch.cat([s[4] for s in samples])
     tensors = {
@@ -190,6 +194,8 @@ def write_shard(
         "offsets": offsets,
         "sample_index": torch.tensor([s[0] for s in samples], dtype=torch.int64),
     }
+    if samples and len(samples[0]) == 6:
+        tensors["mrope_positions"] = torch.cat([s[5] for s in samples], dim=1).to(torch.int32)
     if compress == Compression.fp8:
         tensors["aux"], tensors["aux_scale"] = quantize_fp8(aux, 3)
         tensors["final"], tensors["final_scale"] = quantize_fp8(final, 1)
@@ -218,7 +224,8 @@ AUTO_VERIFY_BYTES = 4 * 2**30
 
 
 class FeatureDataset(torch.utils.data.Dataset):
-    """Samples of a store: (input_ids, loss_mask, aux [T, A], final [T, H]), read on demand
+    """Samples of a store: (input_ids, loss_mask, aux [T, A], final [T, H]) and, when the
+    store has them (``manifest.mrope``), the target's M-RoPE positions [3, T]; read on demand
     from memory-mapped shards. Opening checks every shard's presence and size (and, with
     ``verify_checksums``, its sha256; None: when the store is at most
     ``AUTO_VERIFY_BYTES``, a few seconds of reading) and names the first bad one."""
@@ -270,19 +277,22 @@ class FeatureDataset(torch.utils.data.Dataset):
     def num_tokens(self) -> int:
         return sum(self.lengths())
 
-    def __getitem__(self, index: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
         shard, start, end = self._index[index]
         handle = self._open(shard)
         aux, final = handle.get_slice("aux")[start:end], handle.get_slice("final")[start:end]
         if self.manifest.compress == Compression.fp8.value:
             aux = dequantize_fp8(aux, handle.get_slice("aux_scale")[start:end])
             final = dequantize_fp8(final, handle.get_slice("final_scale")[start:end])
-        return (
+        sample = (
             handle.get_slice("input_ids")[start:end].tolist(),
             handle.get_slice("loss_mask")[start:end].tolist(),
             aux,
             final,
         )
+        if self.manifest.mrope:
+            return (*sample, handle.get_slice("mrope_positions")[:, start:end].long())
+        return sample
 
     def token_samples(self) -> Iterator[tuple[list[int], list[int]]]:
         """(input_ids, loss_mask) of every sample, read shard by shard only when iterated

@@ -66,7 +66,9 @@ def teacher_batch(
     """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``)."""
     document_ids, position_ids = batch.get("document_ids"), batch.get("position_ids")
     if "aux_hidden" in batch:  # offline: captured by eagleforge.prepare
-        out = TargetOutput(batch["aux_hidden"], batch["final_hidden"])
+        out = TargetOutput(
+            batch["aux_hidden"], batch["final_hidden"], batch.get("mrope_position_ids")
+        )
     else:
         # images go only to targets that take them (a VLM batch on another backend fails there)
         images = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
