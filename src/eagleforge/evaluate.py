@@ -3,6 +3,10 @@
     python -m eagleforge.evaluate +model=smollm2 eval.draft=outputs/runs/RUN/checkpoints/step_00000100
     python -m eagleforge.evaluate +model=smollm2 eval.draft=outputs/runs/RUN/checkpoints \\
         eval.topk=4 eval.total_draft_tokens=16 eval.temperature=0.7
+    python -m eagleforge.evaluate +model=qwen2_5_vl eval.draft=DRAFT eval.prompts=/data/vlm.jsonl
+
+A vision-language target (``data.is_vlm``) reads prompts with images (docs/vlm.md) and decodes
+with its M-RoPE positions.
 
 Prints a table per draft (τ, acceptance by position, tokens/s against the target alone, the
 speedup, and whether greedy outputs equal the target's), writes ``summary.json`` and
@@ -27,7 +31,7 @@ from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import load_checked_draft, read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
-from eagleforge.speculative.prompts import load_prompts, render_prompt
+from eagleforge.speculative.prompts import PromptRenderer, load_prompts
 from eagleforge.speculative.report import (
     Summary,
     TurnRecord,
@@ -38,7 +42,7 @@ from eagleforge.speculative.report import (
     write_outputs,
 )
 from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import load_tokenizer, resolve_model_dir
+from eagleforge.target.source import load_processor, load_tokenizer, resolve_model_dir
 from eagleforge.tracking import build_tracker, flatten
 
 log = logging.getLogger("eagleforge.evaluate")
@@ -94,25 +98,26 @@ def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draf
 def evaluate_draft(
     config: EagleForgeConfig,
     decoder: SpeculativeDecoder,
-    tokenizer: Any,
+    renderer: PromptRenderer,
     name: str,
     device: torch.device,
 ) -> tuple[Summary, list[TurnRecord]]:
     cfg = config.eval
-    prompts = load_prompts(cfg.prompts, cfg.multi_turn, cfg.max_prompts)
+    prompts = load_prompts(cfg.prompts, cfg.multi_turn, cfg.max_prompts, config.data.is_vlm)
+    tokenizer = renderer.tokenizer
     records: list[TurnRecord] = []
     for index, item in enumerate(prompts):
-        messages: list[dict[str, str]] = []
-        for turn, text in enumerate(item.turns):
-            messages.append({"role": "user", "content": text})
-            prompt_ids = render_prompt(tokenizer, messages)
+        messages: list[dict[str, Any]] = []
+        for turn in range(len(item.turns)):
+            messages.append(item.message(turn))
+            prompt_ids, images = renderer(messages, f"{item.where} (turn {turn})")
             seed = config.seed * 100_003 + index * 101 + turn
             generator = torch.Generator(device).manual_seed(seed)
-            speculative = decoder.generate(prompt_ids, generator)
+            speculative = decoder.generate(prompt_ids, generator, images)
             baseline = None
             if cfg.baseline:
                 generator = torch.Generator(device).manual_seed(seed)
-                baseline = decoder.generate_target_only(prompt_ids, generator)
+                baseline = decoder.generate_target_only(prompt_ids, generator, images)
             records.append(TurnRecord(item.id, turn, len(prompt_ids), speculative, baseline))
             answer = tokenizer.decode(speculative.output_ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
@@ -124,18 +129,17 @@ def run(cfg: DictConfig) -> list[Summary]:
     config = to_typed(cfg)
     if not config.eval.draft:
         raise ConfigError("eval.draft is not set: give a checkpoint or draft directory.")
-    if config.data.is_vlm:
-        raise ConfigError(
-            "data.is_vlm=true: speculative decoding with a vision-language target (M-RoPE "
-            "positions while decoding) is not supported by eagleforge.evaluate yet; see "
-            "docs/vlm.md."
-        )
     device = resolve_device(config.parallel)
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)
     arch = read_sglang_architecture(drafts[0][1])
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
-    tokenizer = load_tokenizer(config.model, model_dir)
+    data = config.data
+    if data.is_vlm:  # prompts with images, rendered and processed as training does
+        processor = load_processor(config.model, model_dir, data.min_pixels, data.max_pixels)
+        renderer = PromptRenderer(None, processor, data.min_pixels, data.max_pixels)
+    else:
+        renderer = PromptRenderer(load_tokenizer(config.model, model_dir))
     target = HFTarget.from_config(
         config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
     )
@@ -147,9 +151,9 @@ def run(cfg: DictConfig) -> list[Summary]:
     for step, path in drafts:
         draft = load_draft(path, target, device)
         decoder = SpeculativeDecoder(
-            target, draft, config.eval.settings(), eos_ids(tokenizer, target)
+            target, draft, config.eval.settings(), eos_ids(renderer.tokenizer, target)
         )
-        summary, records = evaluate_draft(config, decoder, tokenizer, str(path), device)
+        summary, records = evaluate_draft(config, decoder, renderer, str(path), device)
         print(table(summary), flush=True)
         out = output_dir / "eval" / path.name
         write_outputs(summary, records, out)

@@ -60,3 +60,36 @@ def test_bad_rows_name_file_and_line(tmp_path: Path, line: str, message: str) ->
 def test_missing_file_lists_the_bundled_sets(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no such file.*mtbench"):
         load_prompts(str(tmp_path / "nope.jsonl"), multi_turn=False)
+
+
+def test_prompts_with_images_read_as_training_data(tmp_path: Path) -> None:
+    """With images allowed (data.is_vlm) every training shape carries images: a row-level
+    image goes to the first user turn, per-turn images and content parts to their turn;
+    paths resolve against the file's directory; a missing image names the file and line."""
+    (tmp_path / "img").mkdir()
+    for name in ("a.png", "b.png"):
+        (tmp_path / "img" / name).write_bytes(b"")  # only existence is checked here
+    rows = [
+        {"turns": ["one", "two"], "image": "img/a.png"},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "img/b.png"}]},
+                {"role": "assistant", "content": "ignored"},
+                {"role": "user", "content": "again", "images": ["img/a.png", "img/b.png"]},
+            ]
+        },
+        {"prompt": "text only"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a, b = str(tmp_path / "img" / "a.png"), str(tmp_path / "img" / "b.png")
+    items = load_prompts(str(path), multi_turn=True, images_allowed=True)
+    assert [i.turns for i in items] == [["one", "two"], ["", "again"], ["text only"]]
+    assert [i.images for i in items] == [[[a], []], [[b], [a, b]], [[]]]
+    assert items[1].message(1) == {"role": "user", "content": "again", "images": [a, b]}
+    assert items[2].message(0) == {"role": "user", "content": "text only"}
+    # without images allowed (text targets) the prompts read as before
+    assert load_prompts(str(path), multi_turn=True)[0].images == []
+    path.write_text(json.dumps({"prompt": "x", "images": ["img/missing.png"]}) + "\n")
+    with pytest.raises(DataError, match=r"p\.jsonl:1: image .*missing\.png does not exist"):
+        load_prompts(str(path), multi_turn=False, images_allowed=True)

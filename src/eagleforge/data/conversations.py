@@ -291,12 +291,17 @@ def _resolve_images(paths: list[str], where: str) -> list[str]:
 
 
 def normalise_row(
-    row: Any, fmt: DataFormat, where: str, images_allowed: bool = False
+    row: Any,
+    fmt: DataFormat,
+    where: str,
+    images_allowed: bool = False,
+    require_reply: bool = True,
 ) -> Conversation:
     """One data row -> messages with canonical roles; raises RowError naming ``where``.
 
     ``images_allowed`` (``data.is_vlm``): user turns may carry images (see the module
-    docstring); otherwise a row with images is an ``image_error``."""
+    docstring); otherwise a row with images is an ``image_error``. ``require_reply=False``
+    accepts rows without an assistant turn (evaluation prompts)."""
     if not isinstance(row, dict):
         raise RowError(
             SkipReason.malformed_row,
@@ -386,7 +391,7 @@ def normalise_row(
         if role == "assistant":
             _split_inline_reasoning(message)
         messages.append(message)
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_reply and not any(m["role"] == "assistant" for m in messages):
         raise RowError(SkipReason.no_assistant_turn, where, "no assistant turn to train on.")
     if row_images and not any(m["role"] == "user" for m in messages):
         raise RowError(

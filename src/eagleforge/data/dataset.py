@@ -491,15 +491,7 @@ def preprocess_source(
         )
     vision = None
     if processor is not None:
-        image_processor = processor.image_processor
-        vision = VisionSettings(
-            image_token_id=processor.image_token_id,
-            vision_token_ids=processor.vision_token_ids(),
-            patch_size=int(image_processor.patch_size),
-            merge_size=int(image_processor.merge_size),
-            min_pixels=cfg.min_pixels,
-            max_pixels=cfg.max_pixels,
-        )
+        vision = vision_settings(processor, cfg.min_pixels, cfg.max_pixels)
         tokenizer = processor.tokenizer
     files = source_files(fmt, patterns)
     key_parts: dict[str, Any] = {
@@ -543,6 +535,20 @@ def preprocess_source(
             entry, lambda out: _save(dataset, report, out), complete_marker="report.json"
         )
     return dataset, report, entry
+
+
+def vision_settings(processor: VisionProcessor, min_pixels: int, max_pixels: int) -> VisionSettings:
+    """How the target's processor turns images into image tokens (``data.min_pixels`` /
+    ``data.max_pixels`` bound the resized image)."""
+    image_processor = processor.image_processor
+    return VisionSettings(
+        image_token_id=processor.image_token_id,
+        vision_token_ids=processor.vision_token_ids(),
+        patch_size=int(image_processor.patch_size),
+        merge_size=int(image_processor.merge_size),
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
 
 
 @dataclass

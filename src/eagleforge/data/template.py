@@ -219,7 +219,7 @@ class PreformattedText:
         return Rendered(text, spans)
 
 
-class _ProcessorChat:
+class ProcessorChat:
     """The tokenizer seen through the processor's chat template: messages with ``images``
     become content parts (images first, then the text), as multimodal templates expect."""
 
@@ -249,7 +249,7 @@ class VisionTemplate(TokenizerTemplate):
     name = "auto"
 
     def __init__(self, tokenizer: Any, chat_template: str) -> None:
-        super().__init__(_ProcessorChat(tokenizer, chat_template))
+        super().__init__(ProcessorChat(tokenizer, chat_template))
 
     def render(self, messages: Conversation, where: str) -> Rendered:
         rendered = super().render(messages, where)

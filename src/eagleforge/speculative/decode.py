@@ -23,6 +23,13 @@ A round:
    positions with their real target features.
 
 τ counts the tokens a verification round commits (accepted drafts + the target's token).
+
+Positions: the decoder counts tokens by index (0 = the prompt's first); ``RopePositions`` turns
+indices into what the target and the draft rotate by. A text target rotates by the index
+itself. A vision-language target (Qwen2-VL family, M-RoPE) prefills the prompt with its images
+at the target's own 3-D positions (``get_rope_index``), and every later token -- committed or
+drafted -- sits at index + delta on all three components, delta being the prompt's largest
+position + 1 - its length, as Qwen2.5-VL's own generation continues after an image.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from eagleforge.errors import ConfigError
 from eagleforge.target.hf import HFTarget
 
 # Shape suffixes: M new positions, S key positions, V target vocab, W draft vocab,
-# H draft hidden, A aux width, K kv heads, D head dim.
+# H draft hidden, A aux width, K kv heads, D head dim. Positions are [M] (plain RoPE) or
+# [3, M] (M-RoPE: time, height, width); the runners add the batch dimension the models take.
 
 
 @dataclass
@@ -108,6 +116,29 @@ class DecodeResult:
     accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted per round
 
 
+@dataclass
+class PromptImages:
+    """A vision-language prompt's images as the target's image processor gives them."""
+
+    pixel_values: torch.Tensor  # [patches, C*t*p*p]: all images of the prompt, in order
+    image_grid_thw: torch.Tensor  # [images, 3]: each image's (time, height, width) patches
+
+
+@dataclass
+class RopePositions:
+    """Maps the decoder's token indices after the prompt to rotary positions: [M] (the index)
+    for plain RoPE; [3, M] (index + ``delta`` on every component) for M-RoPE."""
+
+    mrope: bool = False
+    # M-RoPE: the prompt's largest position + 1 - its length (negative after an image, whose
+    # tokens share positions); text after the prompt continues from there.
+    delta: int = 0
+
+    def __call__(self, index_M: torch.Tensor) -> torch.Tensor:
+        positions_M = index_M + self.delta
+        return positions_M.expand(3, -1) if self.mrope else positions_M
+
+
 class TargetRunner:
     """The HF target with a KV cache and its aux-layer capture."""
 
@@ -130,23 +161,52 @@ class TargetRunner:
     def length(self) -> int:
         return int(self.cache.get_seq_length())
 
+    def prompt_positions(
+        self, prompt_M: torch.Tensor, images: PromptImages | None
+    ) -> tuple[torch.Tensor, RopePositions]:
+        """The prompt's positions ([M], or [3, M] for an M-RoPE target) and the map of the
+        indices after it."""
+        if not self.target.is_vlm:
+            if images is not None:
+                raise ConfigError(
+                    f"the prompt has images but the target {type(self.target.model).__name__} "
+                    "has no vision tower; evaluate a vision-language model (data.is_vlm=true)."
+                )
+            rope = RopePositions()
+            return rope(torch.arange(len(prompt_M), device=self.device)), rope
+        grid = None if images is None else images.image_grid_thw.to(self.device)
+        positions_3BT, deltas_B1 = self.target.rope_index(prompt_M[None], None, grid)
+        return positions_3BT[:, 0], RopePositions(mrope=True, delta=int(deltas_B1[0, 0]))
+
     @torch.no_grad()
     def forward(
-        self, tokens_M: torch.Tensor, positions_M: torch.Tensor, tree_mask_MM: torch.Tensor | None
+        self,
+        tokens_M: torch.Tensor,
+        positions: torch.Tensor,
+        tree_mask_MM: torch.Tensor | None,
+        images: PromptImages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 logits [M, V] and aux features [M, A] of new tokens after the cached ones;
-        ``tree_mask_MM`` (True = may attend) replaces the causal mask among the new tokens."""
+        """fp32 logits [M, V] and aux features [M, A] of new tokens after the cached ones, at
+        ``positions`` ([M] or [3, M]); ``tree_mask_MM`` (True = may attend) replaces the
+        causal mask among the new tokens; ``images`` go with the prefill of their prompt."""
         mask = None
         if tree_mask_MM is not None:
             past = self.length
             prefix = torch.ones(len(tokens_M), past, dtype=torch.bool, device=self.device)
             mask = torch.cat([prefix, tree_mask_MM], dim=1)[None, None]
+        vision: dict[str, torch.Tensor] = {}
+        if images is not None:
+            vision = {
+                "pixel_values": images.pixel_values.to(self.device, self.target.model.dtype),
+                "image_grid_thw": images.image_grid_thw.to(self.device),
+            }
         out = self.target.model(
             input_ids=tokens_M[None],
-            position_ids=positions_M[None],
+            position_ids=positions[..., None, :],
             attention_mask=mask,
             use_cache=True,
             **{self.cache_argument: self.cache},
+            **vision,
         )
         aux = self.target.take_aux()
         self.forwards += 1
@@ -175,14 +235,15 @@ class DraftRunner:
         self,
         tokens_M: torch.Tensor,
         hidden_MH: torch.Tensor,
-        positions_M: torch.Tensor,
+        positions: torch.Tensor,
         extra: tuple[torch.Tensor, torch.Tensor] | None,
         mask_MS: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One draft-layer pass of M positions over the cache, the ``extra`` keys and their
-        own keys, with ``mask_MS`` over (extra + own) keys; the cache is visible to all.
-        Returns the pre-norm outputs [M, H] and the new keys and values."""
-        q, k, v = self.draft.layer_qkv(tokens_M[None], hidden_MH[None], positions_M[None])
+        """One draft-layer pass of M positions (``positions`` [M] or [3, M], as the target's)
+        over the cache, the ``extra`` keys and their own keys, with ``mask_MS`` over (extra +
+        own) keys; the cache is visible to all. Returns the pre-norm outputs [M, H] and the new
+        keys and values."""
+        q, k, v = self.draft.layer_qkv(tokens_M[None], hidden_MH[None], positions[..., None, :])
         parts_k = [t for t in (self.keys, extra[0] if extra else None) if t is not None]
         parts_v = [t for t in (self.values, extra[1] if extra else None) if t is not None]
         all_k, all_v = torch.cat([*parts_k, k], dim=2), torch.cat([*parts_v, v], dim=2)
@@ -201,12 +262,12 @@ class DraftRunner:
 
     @torch.no_grad()
     def extend(
-        self, tokens_M: torch.Tensor, features_MA: torch.Tensor, positions_M: torch.Tensor
+        self, tokens_M: torch.Tensor, features_MA: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Feed committed positions (token x_{t+1}, features f_t); returns outputs [M, H]."""
         hidden = self.draft.fc(features_MA.to(self.draft.fc.weight.dtype))
         causal = torch.ones(len(tokens_M), len(tokens_M), dtype=torch.bool).tril()
-        out, k, v = self.attend(tokens_M, hidden, positions_M, None, causal.to(tokens_M.device))
+        out, k, v = self.attend(tokens_M, hidden, positions, None, causal.to(tokens_M.device))
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
         return out
@@ -238,8 +299,14 @@ class SpeculativeDecoder:
         settings: DecodeSettings,
         eos_ids: set[int],
     ) -> None:
+        if target.is_vlm and draft.arch.mrope_section is None:
+            raise ConfigError(
+                "eval.draft: the draft has no rope_scaling.mrope_section but the target rotates "
+                "by M-RoPE positions; evaluate a draft trained for this vision-language target."
+            )
         self.target, self.draft = TargetRunner(target), DraftRunner(draft)
         self.settings, self.eos_ids = settings, eos_ids
+        self.rope = RopePositions()  # the current prompt's, set by each prefill
         # target id of every draft id (the draft's vocab map, applied once)
         self.target_ids_W = draft.draft_to_target_ids(
             torch.arange(draft.arch.draft_vocab_size, device=draft.d2t.device)
@@ -259,17 +326,25 @@ class SpeculativeDecoder:
     # --- one prompt ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], generator: torch.Generator) -> DecodeResult:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        generator: torch.Generator,
+        images: PromptImages | None = None,
+    ) -> DecodeResult:
+        """Speculative decoding of one prompt (with its images, for a vision-language target)."""
         start = time.perf_counter()
         device = self.target.device
         self.target.reset()
         self.draft.reset()
         prompt = torch.tensor(prompt_ids, device=device)
-        logits, aux = self.target.forward(prompt, torch.arange(len(prompt), device=device), None)
+        # the draft rotates the prompt's positions as the target does (training's step 0)
+        prompt_positions, self.rope = self.target.prompt_positions(prompt, images)
+        logits, aux = self.target.forward(prompt, prompt_positions, None, images)
         token = self._pick(logits[-1], generator)
         output = [token]
         draft_tokens = torch.cat([prompt[1:], torch.tensor([token], device=device)])
-        hidden = self.draft.extend(draft_tokens, aux, torch.arange(len(prompt), device=device))
+        hidden = self.draft.extend(draft_tokens, aux, prompt_positions)
         root_hidden = hidden[-1]
         accepted_lengths: list[int] = []
         while not self._done(output):
@@ -279,7 +354,7 @@ class SpeculativeDecoder:
             accepted_lengths.append(len(accepted))
             new_tokens = [nodes[i].token for i in accepted] + [bonus]
             self.target.keep(length, [0] + [i + 1 for i in accepted])
-            positions = torch.arange(length, length + len(new_tokens), device=device)
+            positions = self.rope(torch.arange(length, length + len(new_tokens), device=device))
             hidden = self.draft.extend(torch.tensor(new_tokens, device=device), aux, positions)
             root_hidden, token = hidden[-1], bonus
             output.extend(new_tokens)
@@ -292,21 +367,26 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate_target_only(
-        self, prompt_ids: list[int], generator: torch.Generator
+        self,
+        prompt_ids: list[int],
+        generator: torch.Generator,
+        images: PromptImages | None = None,
     ) -> DecodeResult:
         """Plain decoding with the target and its KV cache: the baseline for speed and output."""
         start = time.perf_counter()
         device = self.target.device
         self.target.reset()
         tokens = torch.tensor(prompt_ids, device=device)
-        positions = torch.arange(len(tokens), device=device)
+        positions, self.rope = self.target.prompt_positions(tokens, images)
         output: list[int] = []
         while not self._done(output):
-            logits, _ = self.target.forward(tokens, positions, None)
+            logits, _ = self.target.forward(tokens, positions, None, images)
+            images = None  # the prefill put them in the cache
             token = self._pick(logits[-1], generator)
             output.append(token)
             tokens = torch.tensor([token], device=device)
-            positions = positions[-1:] + 1
+            index = len(prompt_ids) + len(output) - 1
+            positions = self.rope(torch.tensor([index], device=device))
         return DecodeResult(self._trim(output), time.perf_counter() - start, self.target.forwards)
 
     def _done(self, output: list[int]) -> bool:
@@ -368,7 +448,7 @@ class SpeculativeDecoder:
                     for i in frontier
                 ]
             )
-            positions = torch.full_like(tokens, length - 1 + depth - 1)
+            positions = self.rope(torch.full_like(tokens, length - 1 + depth - 1))
             # each fed node sees its fed ancestors and itself
             mask = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
             for row, i in enumerate(frontier):
@@ -426,7 +506,9 @@ class SpeculativeDecoder:
         path, the bonus token, and the aux features of the root and the accepted nodes."""
         device = self.target.device
         tokens = torch.tensor([root_token] + [n.token for n in nodes], device=device)
-        positions = torch.tensor([length] + [length + n.depth for n in nodes], device=device)
+        positions = self.rope(
+            torch.tensor([length] + [length + n.depth for n in nodes], device=device)
+        )
         is_path = all(n.parent == i - 1 for i, n in enumerate(nodes))
         mask = None if is_path else _tree_mask(nodes).to(device)
         logits, aux = self.target.forward(tokens, positions, mask)

@@ -250,16 +250,8 @@ class HFTarget:
         image_grid_thw: torch.Tensor | None,
     ) -> TargetOutput:
         self._captured.clear()
-        inner = self.model.model
-        # text 0, image 1: what get_rope_index groups positions by
-        modality_BT = (input_ids_BT == self.config.image_token_id).int()
-        positions_3BT, _ = inner.get_rope_index(
-            input_ids_BT,
-            modality_BT,
-            image_grid_thw=image_grid_thw,
-            attention_mask=attention_mask_BT,
-        )
-        out = inner(
+        positions_3BT, _ = self.rope_index(input_ids_BT, attention_mask_BT, image_grid_thw)
+        out = self.model.model(
             input_ids=input_ids_BT,
             attention_mask=attention_mask_BT,
             position_ids=positions_3BT,
@@ -272,6 +264,24 @@ class HFTarget:
             final_hidden_BTH=out.last_hidden_state,
             position_ids_3BT=positions_3BT,
         )
+
+    def rope_index(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A vision-language target's M-RoPE positions [3, B, T] of the given tokens and, per
+        row, the offset [B, 1] of text that follows them (their max position + 1 - length)."""
+        # text 0, image 1: what get_rope_index groups positions by
+        modality_BT = (input_ids_BT == self.config.image_token_id).int()
+        positions_3BT, deltas_B1 = self.model.model.get_rope_index(
+            input_ids_BT,
+            modality_BT,
+            image_grid_thw=image_grid_thw,
+            attention_mask=attention_mask_BT,
+        )
+        return positions_3BT, deltas_B1
 
     def take_aux(self) -> torch.Tensor:
         """The aux states [B, T, 3H] the hooks captured in the last forward of the model (also
