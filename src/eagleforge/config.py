@@ -142,7 +142,6 @@ class EagleForgeConfig:
             f"target.backend={self.target.backend.value}": (
                 self.target.backend != TargetBackendKind.hf
             ),
-            "trainer.eval_tau_every_n_steps": bool(self.trainer.eval_tau_every_n_steps),
             # sequence parallelism cuts 1-D positions only
             f"parallel.sp_ulysses x sp_ring = {self.parallel.sp}": self.parallel.sp > 1,
         }

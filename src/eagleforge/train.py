@@ -50,6 +50,7 @@ from eagleforge.parallel.usp import SequenceParallel, check_heads, shard_sequenc
 from eagleforge.prepare import expected_manifest
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.probe import TauProbe
+from eagleforge.speculative.prompts import PromptRenderer
 from eagleforge.target import build_target
 from eagleforge.target.head import HeadOnlyTarget
 from eagleforge.target.source import (
@@ -320,7 +321,13 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         output_dir=output_dir,
         config_yaml=config_yaml,
         tau_probe=TauProbe(
-            config.eval, trainer_cfg.eval_tau_prompts, target, tokenizer, config.seed
+            config.eval,
+            trainer_cfg.eval_tau_prompts,
+            target,
+            PromptRenderer(
+                tokenizer, inputs.processor, config.data.min_pixels, config.data.max_pixels
+            ),
+            config.seed,
         )
         if trainer_cfg.eval_tau_every_n_steps
         else None,

@@ -103,3 +103,33 @@ def test_tiny_qwen2_5_vl_trains_with_mrope_positions(
     assert any(not torch.equal(p[1], p[2]) for p in three_d)
     config = json.loads((result.checkpoint / "config.json").read_text())
     assert config["rope_scaling"]["mrope_section"] == [2, 3, 3]
+
+
+def test_tiny_qwen2_5_vl_measures_real_tau_while_training(tmp_path: Path) -> None:
+    """trainer.eval_tau_every_n_steps with a vision-language target: the probe decodes prompts
+    with their images (the data file's user turns) at the target's M-RoPE positions."""
+    data = write_data(tmp_path / "data")
+    result = run(
+        compose_config(
+            [
+                "+model=tiny_vl",
+                "data=vlm",
+                f"data.path={data}",
+                "data.num_eval_samples=1",
+                "data.min_pixels=3136",
+                "data.max_pixels=12544",
+                "trainer.batch_size=2",
+                "trainer.max_num_steps=2",
+                "trainer.eval_tau_every_n_steps=2",
+                "trainer.eval_tau_prompts=2",
+                f"eval.prompts={data}",
+                "eval.max_new_tokens=8",
+                "trainer.progress_bar=false",
+                "draft.ttt_length=2",
+                "tracker=console",
+                f"output_root={tmp_path}",
+                f"output_dir={tmp_path / 'run'}",
+            ]
+        )
+    )
+    assert set(result.tau_by_step) == {2} and result.tau_by_step[2] >= 1.0

@@ -267,7 +267,6 @@ BASE = ["+model=tiny_vl", "data=vlm", "data.path=/tmp/unused.jsonl", "output_dir
         ("data.preformatted=true", "data.preformatted"),
         ("parallel.tp=2", "parallel.tp=2"),
         ("target=custom", "target.backend=custom"),
-        ("trainer.eval_tau_every_n_steps=10", "trainer.eval_tau_every_n_steps"),
         ("data.min_pixels=0", "data.min_pixels"),
     ],
 )
