@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
-from eagleforge.data.dataset import Collator, TokenizedDataset, build_datasets
+from eagleforge.data.dataset import IMAGE_KEYS, Collator, TokenizedDataset, build_datasets
 from eagleforge.data.features import (
     Compression,
     Manifest,
@@ -115,9 +115,7 @@ def capture_split(
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
             batch = collate([dataset[i] for i in chunk])
-            images = {
-                k: batch[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in batch
-            }
+            images = {k: batch[k].to(device) for k in IMAGE_KEYS if k in batch}
             ids_BT, mask_BT = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             out = target.forward(ids_BT, mask_BT, **images)
             aux_BTA, final_BTH = out.aux_BTA.cpu(), out.final_hidden_BTH.cpu()  # one copy

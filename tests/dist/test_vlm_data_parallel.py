@@ -13,15 +13,14 @@ from ranks import run_ranks
 from test_fsdp_training import assert_close_weights, train, weights
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from test_vlm_train import write_data  # noqa: E402
+from test_vlm_train import tiny_vl, write_data  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
 
 def _overrides(data: Path, out: Path, *extra: str) -> list[str]:
     return [
-        "+model=tiny_vl", "data=vlm", f"data.path={data}", "data.num_eval_samples=0",
-        "data.min_pixels=3136", "data.max_pixels=12544", "trainer.batch_size=1",
+        *tiny_vl(data), "data.num_eval_samples=0", "trainer.batch_size=1",
         "trainer.max_num_steps=2", "trainer.progress_bar=false", "draft.ttt_length=2",
         "optimizer.lr=1e-3", "optimizer.eps=1e-4", "parallel.device=cpu", "tracker=console",
         f"output_root={out.parent}", f"output_dir={out}", *extra,

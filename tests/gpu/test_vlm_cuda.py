@@ -15,7 +15,7 @@ from eagleforge.config import compose_config
 from eagleforge.train import run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from test_vlm_train import write_data  # noqa: E402
+from test_vlm_train import tiny_vl, write_data  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,8 +26,7 @@ pytestmark = [
 def test_tiny_qwen2_5_vl_trains_on_cuda(tmp_path: Path) -> None:
     data = write_data(tmp_path / "data")
     overrides = [
-        "+model=tiny_vl", "data=vlm", f"data.path={data}", "data.num_eval_samples=1",
-        "data.min_pixels=3136", "data.max_pixels=12544", "trainer.batch_size=2",
+        *tiny_vl(data), "data.num_eval_samples=1", "trainer.batch_size=2",
         "trainer.max_num_steps=3", "trainer.eval_every_n_steps=3", "trainer.progress_bar=false",
         "draft.ttt_length=2", "parallel.device=cuda", "tracker=console",
         f"output_root={tmp_path}", f"output_dir={tmp_path / 'run'}",

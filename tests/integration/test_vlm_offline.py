@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vlm_train import write_data  # tests/integration is on sys.path
+from test_vlm_train import tiny_vl, write_data  # tests/integration is on sys.path
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.data.features import FeatureDataset
@@ -20,16 +20,13 @@ from eagleforge.train import run as train
 pytestmark = pytest.mark.integration
 
 
-def _common(data: Path, tmp_path: Path) -> list[str]:
-    return [
-        "+model=tiny_vl", "data=vlm", f"data.path={data}", "data.num_eval_samples=1",
-        "data.min_pixels=3136", "data.max_pixels=12544",
-    ]  # fmt: skip
+def _common(data: Path) -> list[str]:
+    return tiny_vl(data, "data.num_eval_samples=1")
 
 
 def _train(data: Path, tmp_path: Path, name: str, *extra: str):  # type: ignore[no-untyped-def]
     overrides = [
-        *_common(data, tmp_path), "trainer.batch_size=2", "trainer.max_num_steps=2",
+        *_common(data), "trainer.batch_size=2", "trainer.max_num_steps=2",
         "trainer.progress_bar=false", "draft.ttt_length=2", "optimizer.lr=1e-3",
         "tracker=console", f"output_root={tmp_path}", f"output_dir={tmp_path / name}", *extra,
     ]  # fmt: skip
@@ -48,7 +45,7 @@ def test_vlm_store_trains_like_online(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(Eagle3Draft, "rope", spy)
     store = tmp_path / "features"
     prepare(to_typed(compose_config([
-        *_common(data, tmp_path), f"prepare.output_dir={store}", "prepare.samples_per_shard=2",
+        *_common(data), f"prepare.output_dir={store}", "prepare.samples_per_shard=2",
         f"output_dir={tmp_path / 'prep'}",
     ])))  # fmt: skip
     manifest = json.loads((store / "train" / "manifest.json").read_text())

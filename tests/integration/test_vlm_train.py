@@ -61,6 +61,21 @@ def write_data(directory: Path) -> Path:
     return path
 
 
+def tiny_vl(data: Path, *extra: str) -> list[str]:
+    """Overrides for the tiny random Qwen2.5-VL on ``data``, with small images (4 to 16
+    image tokens each); shared by the VLM tests of every tier."""
+    return ["+model=tiny_vl", "data=vlm", f"data.path={data}", "data.min_pixels=3136",
+            "data.max_pixels=12544", *extra]  # fmt: skip
+
+
+def _train(data: Path, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return run(compose_config(tiny_vl(
+        data, "data.num_eval_samples=1", "trainer.batch_size=2", "trainer.progress_bar=false",
+        "draft.ttt_length=2", "tracker=console", f"output_root={tmp_path}",
+        f"output_dir={tmp_path / 'run'}", *extra,
+    )))  # fmt: skip
+
+
 def test_tiny_qwen2_5_vl_trains_with_mrope_positions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -73,26 +88,12 @@ def test_tiny_qwen2_5_vl_trains_with_mrope_positions(
         return rope(self, positions, dtype)
 
     monkeypatch.setattr(Eagle3Draft, "rope", spy)
-    result = run(
-        compose_config(
-            [
-                "+model=tiny_vl",
-                "data=vlm",
-                f"data.path={data}",
-                "data.num_eval_samples=1",
-                "data.min_pixels=3136",
-                "data.max_pixels=12544",
-                "trainer.batch_size=2",
-                "trainer.max_num_steps=3",
-                "trainer.eval_every_n_steps=3",
-                "trainer.progress_bar=false",
-                "draft.ttt_length=2",
-                "optimizer.lr=1e-3",
-                "tracker=console",
-                f"output_root={tmp_path}",
-                f"output_dir={tmp_path / 'run'}",
-            ]
-        )
+    result = _train(
+        data,
+        tmp_path,
+        "trainer.max_num_steps=3",
+        "trainer.eval_every_n_steps=3",
+        "optimizer.lr=1e-3",
     )
     assert result.step == 3 and all(torch.isfinite(torch.tensor(result.train_losses)))
     assert "eval/acc_0" in result.final_eval
@@ -109,27 +110,13 @@ def test_tiny_qwen2_5_vl_measures_real_tau_while_training(tmp_path: Path) -> Non
     """trainer.eval_tau_every_n_steps with a vision-language target: the probe decodes prompts
     with their images (the data file's user turns) at the target's M-RoPE positions."""
     data = write_data(tmp_path / "data")
-    result = run(
-        compose_config(
-            [
-                "+model=tiny_vl",
-                "data=vlm",
-                f"data.path={data}",
-                "data.num_eval_samples=1",
-                "data.min_pixels=3136",
-                "data.max_pixels=12544",
-                "trainer.batch_size=2",
-                "trainer.max_num_steps=2",
-                "trainer.eval_tau_every_n_steps=2",
-                "trainer.eval_tau_prompts=2",
-                f"eval.prompts={data}",
-                "eval.max_new_tokens=8",
-                "trainer.progress_bar=false",
-                "draft.ttt_length=2",
-                "tracker=console",
-                f"output_root={tmp_path}",
-                f"output_dir={tmp_path / 'run'}",
-            ]
-        )
+    result = _train(
+        data,
+        tmp_path,
+        "trainer.max_num_steps=2",
+        "trainer.eval_tau_every_n_steps=2",
+        "trainer.eval_tau_prompts=2",
+        f"eval.prompts={data}",
+        "eval.max_new_tokens=8",
     )
     assert set(result.tau_by_step) == {2} and result.tau_by_step[2] >= 1.0

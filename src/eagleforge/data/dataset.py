@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The batch entries that carry a vision-language batch's images (Collator), for the target.
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 # Bump when rendering, tokenization or masking changes, so old cache entries are not reused.
 PIPELINE_VERSION = 4  # 4: rows with images are image_error rows in text runs
 CHUNK_ROWS = 256
@@ -105,14 +107,14 @@ class DataConfig:
     # null = only for stores up to 4 GiB. Sizes and headers are always checked.
     verify_features: bool | None = None
     # Pack whole conversations into rows instead of padding (a micro-batch is then one row of
-    # max_tokens_per_batch tokens and trainer.batch_size is unused); null = when the target
-    # backend supports it.
+    # max_tokens_per_batch tokens and trainer.batch_size is unused); null = offline always,
+    # online when the target can mask packed documents (not a vision-language target).
     packing: bool | None = None
     # Token budget of one packed row (tokens per micro-batch with packing); at least max_length.
     max_tokens_per_batch: int = 4096
     # Conversations may carry images for a vision-language target (e.g. +model=qwen2_5_vl,
     # which sets it): rendered with the processor's chat template, images fed to the target's
-    # vision tower. Online training with the hf target only (see docs/vlm.md).
+    # vision tower. The hf target backend only; online or from a feature store (docs/vlm.md).
     is_vlm: bool = False
     # Fewest pixels an image is resized to, aspect ratio kept (50176 = 224 x 224).
     min_pixels: int = 50176
@@ -146,7 +148,7 @@ class DataConfig:
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ConfigError(
                 f"data.min_pixels={self.min_pixels} and data.max_pixels={self.max_pixels} must "
-                "satisfy 0 < min_pixels <= max_pixels."
+                "satisfy 0 < min_pixels <= max_pixels; change one of them."
             )
         refused = {
             "data.template": self.template != "auto",  # named templates place no images

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.tp import check_tp_fits, full_weight, load_tensor_parallel
 from eagleforge.target import TargetConfig, TargetOutput, forward_over_group
-from eagleforge.target.masks import attention_masks, layer_attention, unmaskable_kinds
+from eagleforge.target.masks import MASKABLE_KINDS, attention_masks, layer_attention
 from eagleforge.target.source import ModelConfig, checked_aux_layer_ids
 
 # Vision-language targets whose M-RoPE (contiguous time/height/width sections) the draft
@@ -74,6 +74,8 @@ class HFTarget:
         self.decoder = _decoder(model)
         self.layers = self.decoder.layers
         self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, len(self.layers))
+        # the attention kinds of the layers, for the masks of packed rows (a property of the config)
+        self._layer_attention = set(layer_attention(self.config.get_text_config()))
         self._captured: dict[int, torch.Tensor] = {}
         for layer_id in self.aux_layer_ids:
             self.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
@@ -212,10 +214,10 @@ class HFTarget:
                 "a vision-language target needs each conversation's own M-RoPE positions, "
                 "which packed rows do not carry"
             )
-        text = self.config.get_text_config()
-        kinds = unmaskable_kinds(text)
+        kinds = sorted({layer.kind for layer in self._layer_attention} - set(MASKABLE_KINDS))
         if kinds:
-            return f"the {kinds} layers of '{text.model_type}' cannot be masked per document"
+            model_type = self.config.get_text_config().model_type
+            return f"the {kinds} layers of '{model_type}' cannot be masked per document"
         return None
 
     def _packed_mask(
@@ -235,11 +237,11 @@ class HFTarget:
             position_ids_BT = torch.arange(
                 attention_mask_BT.shape[1], device=attention_mask_BT.device
             ).expand_as(attention_mask_BT)
-        layers = set(layer_attention(self.config.get_text_config()))
+        layers = self._layer_attention
         masks = attention_masks(attention_mask_BT, document_ids_BT, position_ids_BT, layers)
         # packed rows always need a mask: never None here
         if len(layers) == 1:
-            return masks[layers.pop()]  # type: ignore[return-value]
+            return next(iter(masks.values()))  # type: ignore[return-value]
         return {layer.kind: masks[layer] for layer in layers}  # type: ignore[misc]
 
     def _forward_vlm(

@@ -17,7 +17,8 @@ import torch
 
 from eagleforge.draft.attention import ttt_attention_mask
 
-# The layer kinds (transformers' config.layer_types) a mask can be built for here.
+# The layer kinds (transformers' config.layer_types) a mask can be built for here; others
+# (linear or recurrent layers) cannot run packed rows.
 MASKABLE_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -48,12 +49,6 @@ def layer_attention(text: Any) -> list[LayerAttention]:
         "chunked_attention": getattr(text, "attention_chunk_size", None),
     }
     return [LayerAttention(kind, sizes.get(kind)) for kind in kinds]
-
-
-def unmaskable_kinds(text: Any) -> list[str]:
-    """Layer kinds of this config whose attention ``attention_masks`` cannot express (linear
-    or recurrent layers): such a target cannot run packed rows."""
-    return sorted({a.kind for a in layer_attention(text)} - set(MASKABLE_KINDS))
 
 
 def attention_masks(

@@ -59,7 +59,8 @@ class TargetDType(str, Enum):
 
 @dataclass
 class RandomModelConfig:
-    """Shape of the random-initialised Llama used by ``source: random``."""
+    """Shape of the random-initialised Llama of ``source: random`` (and of the language model
+    of ``source: random_vl``)."""
 
     # Width of the residual stream.
     hidden_size: int = 64
@@ -193,10 +194,15 @@ def bundled_smollm2_dir(cache_dir: str | Path) -> Path:
     return _atomic_build(final, build)
 
 
+def _random_model_dir(cfg: RandomModelConfig, cache_dir: str | Path, kind: str) -> Path:
+    """Where a random model of ``kind`` with these settings is cached."""
+    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cache_dir) / "models" / f"tiny-{kind}-{key}"
+
+
 def random_llama_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path:
     """A random-initialised small Llama with the SmolLM2 tokenizer, cached by its settings."""
-    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
-    final = Path(cache_dir) / "models" / f"tiny-llama-{key}"
+    final = _random_model_dir(cfg, cache_dir, "llama")
     tokenizer_dir = bundled_smollm2_dir(cache_dir)
 
     def build(out: Path) -> None:
@@ -247,8 +253,7 @@ TINY_VL_CHAT_TEMPLATE = (
 def random_qwen2_5_vl_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path:
     """A random-initialised tiny Qwen2.5-VL and its processor, built offline, cached by its
     settings: SmolLM2's tokenizer with the vision tokens added, Qwen2-VL's image processor."""
-    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
-    final = Path(cache_dir) / "models" / f"tiny-qwen2_5_vl-{key}"
+    final = _random_model_dir(cfg, cache_dir, "qwen2_5_vl")
     tokenizer_dir = bundled_smollm2_dir(cache_dir)
 
     def build(out: Path) -> None:

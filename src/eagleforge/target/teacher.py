@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from eagleforge.data.dataset import IMAGE_KEYS
 from eagleforge.draft.loss import rows_per_chunk
 from eagleforge.draft.ttt import Teacher, TTTBatch, shift_left
 from eagleforge.target import TargetOutput
@@ -71,7 +72,7 @@ def teacher_batch(
         )
     else:
         # images go only to targets that take them (a VLM batch on another backend fails there)
-        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+        images = {k: batch[k] for k in IMAGE_KEYS if k in batch}
         out = target.forward(
             batch["input_ids"], batch["attention_mask"], document_ids, position_ids, **images
         )
