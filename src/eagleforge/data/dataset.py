@@ -63,9 +63,10 @@ PIPELINE_VERSION = 4  # 4: rows with images are image_error rows in text runs
 CHUNK_ROWS = 256
 
 
-class OnError(str, Enum):
-    raise_ = "raise"  # stop before training at the first bad row
-    skip = "skip"  # leave bad rows out and report how many, by reason
+# raise: stop before training at the first bad row; skip: leave bad rows out and report how
+# many, by reason. Functional form because OmegaConf takes an Enum field by member *name* and
+# the documented `raise` is a keyword no class body can name.
+OnError = Enum("OnError", {"raise": "raise", "skip": "skip"}, module=__name__, type=str)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class DataConfig:
     # Rows hold a `text` column with the chat template already applied.
     preformatted: bool = False
     # Bad rows: raise (stop before training) or skip (count by reason and go on).
-    on_error: OnError = OnError.raise_
+    on_error: OnError = OnError["raise"]
     # Processes used for preprocessing.
     num_proc: int = 1
     # A feature store written by eagleforge.prepare: train offline from its hidden states
@@ -385,7 +386,7 @@ def preprocess_rows(
                 for item in processed:
                     report.rows += 1
                     if isinstance(item, RowError):
-                        if on_error == OnError.raise_:
+                        if on_error == OnError["raise"]:
                             raise DataError(
                                 f"{item} (set data.on_error=skip to leave such rows out)"
                             )

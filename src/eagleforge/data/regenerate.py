@@ -131,6 +131,8 @@ class RequestFailed(Exception):
 Generate = Callable[[list[Conversation]], list["Reply | RequestFailed"]]
 
 THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+# What a decoder writes for the bytes of a character that the max_new_tokens cut split.
+PARTIAL_CHAR = "\ufffd"
 
 
 def split_reasoning(text: str, reasoning: str | None) -> Reply:
@@ -139,6 +141,16 @@ def split_reasoning(text: str, reasoning: str | None) -> Reply:
     if match and reasoning is None:
         return Reply(text[match.end() :], match.group(1).strip())
     return Reply(text, reasoning)
+
+
+def finish_reply(text: str, reasoning: str | None, *, cut: bool) -> Reply:
+    """The one post-processing of every backend's reply. ``cut``: generation stopped at
+    max_new_tokens, so trailing U+FFFD are the bytes of a split emoji or CJK character and are
+    dropped (they would be trained on, and condition the next turn). Whitespace is kept as the
+    target wrote it: the draft learns the target's tokens, and templates that trim, trim."""
+    if cut:
+        text = text.rstrip(PARTIAL_CHAR)
+    return split_reasoning(text, reasoning)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +177,7 @@ def read_input(data: DataConfig, limit: int | None) -> tuple[list[Row], list[dic
                 raise raw
             messages = normalise_row(raw, data.format, where)
         except RowError as e:
-            if data.on_error == OnError.raise_:
+            if data.on_error == OnError["raise"]:
                 raise ConfigError(
                     f"{e} (or set data.on_error=skip to leave such rows out)"
                 ) from None
@@ -307,8 +319,13 @@ class ServerBackend:
         }
         try:
             response = self._with_retries("chat/completions", body, first=index)
-            message = response["choices"][0]["message"]
-            return split_reasoning(message.get("content") or "", message.get("reasoning_content"))
+            choice = response["choices"][0]
+            message = choice["message"]
+            return finish_reply(
+                message.get("content") or "",
+                message.get("reasoning_content"),
+                cut=choice.get("finish_reason") == "length",
+            )
         except RequestFailed as e:
             return e
         except (KeyError, IndexError, TypeError) as e:
@@ -326,21 +343,32 @@ class ServerBackend:
 class HFBackend:
     """Batched ``generate`` with the target in this process (left-padded prompts)."""
 
-    def __init__(self, cfg: RegenerateConfig, config: EagleForgeConfig) -> None:
+    def __init__(
+        self, cfg: RegenerateConfig, model: Any, tokenizer: Any, device: torch.device, name: str
+    ) -> None:
+        self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
+        self.model_name = name  # recorded with the output (see run_settings)
+        # a row that ends in none of these was cut at max_new_tokens
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.stop_ids = set(tokenizer.all_special_ids) | set(
+            eos if isinstance(eos, list) else [] if eos is None else [eos]
+        )
+
+    @classmethod
+    def from_config(cls, cfg: RegenerateConfig, config: EagleForgeConfig) -> HFBackend:
         from eagleforge.parallel import resolve_device
         from eagleforge.target.hf import HFTarget
         from eagleforge.target.source import load_tokenizer, resolve_model_dir
 
-        self.cfg = cfg
-        self.device = resolve_device(config.parallel)
+        device = resolve_device(config.parallel)
         model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
-        self.tokenizer = load_tokenizer(config.model, model_dir)
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        target = HFTarget.from_config(config.model, config.target, model_dir, self.device)
-        self.model = target.model
+        tokenizer = load_tokenizer(config.model, model_dir)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        target = HFTarget.from_config(config.model, config.target, model_dir, device)
         torch.manual_seed(cfg.seed)  # generate() samples from the global generator
+        return cls(cfg, target.model, tokenizer, device, hf_model_name(config))
 
     @torch.no_grad()
     def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
@@ -364,10 +392,29 @@ class HFBackend:
                 top_k=None,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
-            new_tokens = output[:, inputs["input_ids"].shape[1] :]
-            texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-            replies += [split_reasoning(text.strip(), None) for text in texts]
+            new_tokens = output[:, inputs["input_ids"].shape[1] :].tolist()
+            replies += [self._reply(ids) for ids in new_tokens]
         return replies
+
+    def _reply(self, ids: list[int]) -> Reply:
+        """One row of new tokens as a reply. A row that ends in an ordinary token was cut at
+        max_new_tokens (an ended one ends in eos, then padding); when the cut split a
+        character, the tokens that carry its first bytes are dropped too, so the reply is a
+        whole-token prefix of what the target generated."""
+        cut = bool(ids) and ids[-1] not in self.stop_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        while cut and ids and text.endswith(PARTIAL_CHAR):
+            ids = ids[:-1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return finish_reply(text, None, cut=cut)
+
+
+def hf_model_name(config: EagleForgeConfig) -> str:
+    """The target of the hf backend as recorded with the output: its path or hub id (at a
+    revision), or its source for the bundled and random models."""
+    model = config.model
+    name = model.path or model.source.value
+    return f"{name}@{model.revision}" if model.revision else name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,7 +457,7 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     start = time.perf_counter()
     if todo:
         generate = generate or (
-            ServerBackend(cfg) if cfg.backend == Backend.server else HFBackend(cfg, config)
+            ServerBackend(cfg) if cfg.backend == Backend.server else HFBackend.from_config(cfg, config)
         )
         bar = tqdm(total=len(rows), initial=done_rows, unit="conv", desc="regenerate")
         for index in todo:
