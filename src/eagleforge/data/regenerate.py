@@ -457,7 +457,9 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     start = time.perf_counter()
     if todo:
         generate = generate or (
-            ServerBackend(cfg) if cfg.backend == Backend.server else HFBackend.from_config(cfg, config)
+            ServerBackend(cfg)
+            if cfg.backend == Backend.server
+            else HFBackend.from_config(cfg, config)
         )
         bar = tqdm(total=len(rows), initial=done_rows, unit="conv", desc="regenerate")
         for index in todo:
