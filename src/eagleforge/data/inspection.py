@@ -32,14 +32,16 @@ class InspectConfig:
 
 
 def length_histogram(lengths: list[int], num_buckets: int, width: int = 40) -> list[str]:
-    """Text bars of the length distribution, equal-width buckets from 0 to the longest sample."""
+    """Text bars of the length distribution: buckets of ``size`` tokens from 1 to the longest
+    sample, at most ``num_buckets`` of them (fewer when whole-token buckets reach the longest
+    sooner, so that no bucket starts past it)."""
     if not lengths:
         return []
     top = max(lengths)
     size = max(1, -(-top // num_buckets))
-    counts = [0] * num_buckets
+    counts = [0] * -(-top // size)
     for length in lengths:
-        counts[min((length - 1) // size, num_buckets - 1)] += 1
+        counts[max(length - 1, 0) // size] += 1
     peak = max(counts)
     return [
         f"  {i * size + 1:>6}-{min((i + 1) * size, top):<6} {count:>7}  {'#' * round(width * count / peak)}"
