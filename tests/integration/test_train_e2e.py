@@ -66,7 +66,7 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
     assert set(load_file(checkpoint / "model.safetensors")) == SGLANG_TENSORS
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
     state = torch.load(checkpoint / TRAINING_STATE, weights_only=True)
     assert state["progress"]["step"] == 4 and "optimizer" in state and "rng" in state
     assert "model:" in (checkpoint / "config.yaml").read_text()

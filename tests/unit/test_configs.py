@@ -10,6 +10,7 @@ from hydra.errors import ConfigCompositionException
 from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
 from eagleforge.data.dataset import build_datasets
 from eagleforge.errors import ConfigError
+from eagleforge.target.source import checked_aux_layer_ids, default_aux_layer_ids
 
 pytestmark = pytest.mark.unit
 
@@ -125,3 +126,25 @@ def test_real_tau_during_offline_training_is_refused() -> None:
     with pytest.raises(ConfigError, match="eval_tau_every_n_steps decodes with the whole target"):
         to_typed(compose_config(["+model=tiny", "data=chitchat", "output_dir=/tmp/unused",
                                  "data.features=/tmp/f", "trainer.eval_tau_every_n_steps=5"]))  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("num_layers", range(3, 40))
+def test_default_aux_layers_are_distinct_layers(num_layers: int) -> None:
+    # EAGLE-3's [1, N//2-1, N-4] repeats a layer below 7 layers (6 layers: [1, 2, 2])
+    ids = default_aux_layer_ids(num_layers)
+    assert len(set(ids)) == 3 and all(0 <= i < num_layers for i in ids)
+    assert ids == sorted(ids)
+    if num_layers >= 7:
+        assert ids == [1, num_layers // 2 - 1, num_layers - 4]
+    assert checked_aux_layer_ids(None, num_layers) == ids
+
+
+@pytest.mark.unit
+def test_repeated_or_too_few_aux_layers_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model\.aux_layer_ids \[1, 2, 2\] repeats a layer"):
+        checked_aux_layer_ids([1, 2, 2], 6)
+    with pytest.raises(ConfigError, match="at least 3 layers"):
+        default_aux_layer_ids(2)
+    with pytest.raises(ConfigError, match="3 distinct layer ids"):
+        to_typed(compose_config(["+model=tiny", "model.aux_layer_ids=[1,2,2]"]))

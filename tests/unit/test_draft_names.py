@@ -142,7 +142,7 @@ def test_from_target_llama_config() -> None:
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
     )
-    arch = DraftArchitecture.from_target(target, DraftConfig(draft_vocab_size=32), [1, 2, 2])
+    arch = DraftArchitecture.from_target(target, DraftConfig(draft_vocab_size=32), [1, 2, 4])
     assert arch.hidden_size == 64
     assert arch.target_hidden_size == 64
     assert arch.intermediate_size == 128
@@ -155,13 +155,13 @@ def test_from_target_llama_config() -> None:
     assert arch.rope_theta == pytest.approx(10000.0)
     assert arch.rope_scaling is None
     assert arch.max_position_embeddings == 256
-    assert arch.aux_layer_ids == [1, 2, 2]
+    assert arch.aux_layer_ids == [1, 2, 4]
     assert arch.hidden_act == "silu"
     assert arch.target_model_type == "llama"
 
-    clipped = DraftArchitecture.from_target(target, DraftConfig(), [1, 2, 2])
+    clipped = DraftArchitecture.from_target(target, DraftConfig(), [1, 2, 4])
     assert clipped.draft_vocab_size == 100
-    wide = DraftArchitecture.from_target(target, DraftConfig(intermediate_size=96), [1, 2, 2])
+    wide = DraftArchitecture.from_target(target, DraftConfig(intermediate_size=96), [1, 2, 4])
     assert wide.intermediate_size == 96
 
 
@@ -177,7 +177,7 @@ def test_from_target_keeps_rope_scaling() -> None:
         vocab_size=100,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0},
     )
-    arch = DraftArchitecture.from_target(target, DraftConfig(draft_vocab_size=32), [1, 2, 2])
+    arch = DraftArchitecture.from_target(target, DraftConfig(draft_vocab_size=32), [1, 2, 4])
     assert arch.rope_theta == pytest.approx(500000.0)
     assert arch.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     draft = Eagle3Draft(arch)

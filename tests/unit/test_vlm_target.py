@@ -29,7 +29,7 @@ def test_vlm_forward_captures_language_layers_and_returns_mrope(cache_dir: Path)
     processor = load_processor(
         ModelConfig(name="tiny_vl", source=ModelSource.random_vl), model_dir, 3136, 12544
     )
-    assert target.is_vlm and target.aux_layer_ids == [1, 2, 2]
+    assert target.is_vlm and target.aux_layer_ids == [1, 2, 4]
     images = processor.image_processor(
         images=[Image.new("RGB", (112, 56), (10, 200, 30))], return_tensors="pt"
     )

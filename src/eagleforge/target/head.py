@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from eagleforge.errors import ConfigError
 from eagleforge.target import TargetOutput
-from eagleforge.target.source import default_aux_layer_ids
+from eagleforge.target.source import checked_aux_layer_ids
 
 
 def _find_tensor(model_dir: Path, suffix: str) -> torch.Tensor | None:
@@ -50,7 +50,7 @@ class HeadOnlyTarget:
 
         self.config: Any = AutoConfig.from_pretrained(model_dir)
         text = self.config.get_text_config()
-        self.aux_layer_ids = list(aux_layer_ids or default_aux_layer_ids(text.num_hidden_layers))
+        self.aux_layer_ids = checked_aux_layer_ids(aux_layer_ids, text.num_hidden_layers)
         embedding = _find_tensor(model_dir, "embed_tokens.weight")
         if embedding is None:
             raise ConfigError(

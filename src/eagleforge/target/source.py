@@ -66,7 +66,7 @@ class RandomModelConfig:
     hidden_size: int = 64
     # MLP width.
     intermediate_size: int = 128
-    # Decoder layers (at least 5, so that the default aux layers are distinct).
+    # Decoder layers (at least 3, for 3 distinct aux layers).
     num_hidden_layers: int = 6
     # Query heads.
     num_attention_heads: int = 4
@@ -106,33 +106,109 @@ class ModelConfig:
                 f"model.path is required for model '{self.name}' (source=pretrained): "
                 "set model.path=/local/dir or a hub id."
             )
-        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+        if self.aux_layer_ids is not None and len(set(self.aux_layer_ids)) != 3:
             raise ConfigError(
-                f"model.aux_layer_ids must list exactly 3 layer ids, got {self.aux_layer_ids}."
+                "model.aux_layer_ids must list exactly 3 distinct layer ids, got "
+                f"{self.aux_layer_ids}."
             )
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default: outputs of layers 1, N//2-1 and N-4 (0-based output-of-layer ids)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """EAGLE-3's default: outputs of layers 1, N//2-1 and N-4 (0-based output-of-layer ids).
+
+    Below 7 layers those repeat a layer (6 layers: 1, 2, 2), and a repeated state only wastes
+    the draft's input width; such small targets get three distinct low / middle / high layers
+    instead (layers 1 to N-2 from 5 layers on, as EAGLE-3 skips the first and last)."""
+    if num_layers < 3:
+        raise ConfigError(
+            f"the target has {num_layers} layers, but EAGLE-3 reads 3 distinct ones; choose a "
+            "target with at least 3 layers."
+        )
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(ids)) == 3 and min(ids) >= 0:
+        return ids
+    low, high = (1, num_layers - 2) if num_layers >= 5 else (0, num_layers - 1)
+    return [low, (low + high) // 2, high]
 
 
 def checked_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> list[int]:
-    """``aux_layer_ids`` (default: EAGLE-3's) after checking they are layers of the target."""
+    """``aux_layer_ids`` (default: EAGLE-3's) after checking they are distinct layers of the
+    target."""
     ids = list(aux_layer_ids or default_aux_layer_ids(num_layers))
     if any(not 0 <= i < num_layers for i in ids):
         raise ConfigError(
             f"model.aux_layer_ids {ids} has ids outside 0..{num_layers - 1} "
             f"(the target has {num_layers} layers)."
         )
+    if len(set(ids)) != len(ids):
+        raise ConfigError(
+            f"model.aux_layer_ids {ids} repeats a layer; give 3 distinct layer ids (or null "
+            "for the default)."
+        )
     return ids
+
+
+# Files that make a directory loadable by transformers' Auto classes.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_path(cfg: ModelConfig, *, need_weights: bool = True) -> None:
+    """ConfigError naming ``model.path`` when it cannot be a target: a local directory must
+    hold config.json, a tokenizer and (``need_weights``) weights; anything else must have a
+    hub id's form and, with the hub offline, be in the local Hugging Face cache. Cheap: reads
+    no weights, so entry points call it before any heavy work."""
+    if cfg.source != ModelSource.pretrained:
+        return
+    assert cfg.path is not None
+    field_ = f"model.path={cfg.path}"
+    local = Path(cfg.path).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ConfigError(
+                f"{field_} is a file; give a Hugging Face model directory (config.json, "
+                "tokenizer, weights) or a hub id."
+            )
+        missing = [
+            what
+            for what, present in (
+                ("config.json", (local / "config.json").is_file()),
+                ("a tokenizer", any((local / f).is_file() for f in TOKENIZER_FILES)),
+                ("weights", not need_weights or any(any(local.glob(p)) for p in WEIGHT_PATTERNS)),
+            )
+            if not present
+        ]
+        if missing:
+            raise ConfigError(
+                f"{field_} lacks {', '.join(missing)}: not a Hugging Face model directory; "
+                "point model.path at one (e.g. what save_pretrained writes)."
+            )
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(cfg.path)
+    except HFValidationError:
+        raise ConfigError(
+            f"{field_}: no such directory (and not a hub id); check the path."
+        ) from None
+    if constants.HF_HUB_OFFLINE:
+        cached = try_to_load_from_cache(cfg.path, "config.json", revision=cfg.revision)
+        if not isinstance(cached, str):
+            raise ConfigError(
+                f"{field_} is neither a local directory nor in the Hugging Face cache, and the "
+                "hub is offline (HF_HUB_OFFLINE=1); set model.path=/local/model/dir, or "
+                "download it first."
+            )
 
 
 def resolve_model_dir(cfg: ModelConfig, cache_dir: str | Path) -> Path | str:
     """A local HF directory (or hub id) holding the target's weights and tokenizer."""
     if cfg.source == ModelSource.pretrained:
         assert cfg.path is not None
-        return Path(cfg.path) if Path(cfg.path).exists() else cfg.path
+        local = Path(cfg.path).expanduser()
+        return local if local.exists() else cfg.path
     if cfg.source == ModelSource.bundled_smollm2:
         return bundled_smollm2_dir(cache_dir)
     if cfg.source == ModelSource.random_vl:
@@ -384,6 +460,13 @@ def load_tokenizer(cfg: ModelConfig, model_dir: Path | str) -> Any:
     """The target's tokenizer (its chat template is the default for rendering the data)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        model_dir, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
-    )
+    try:
+        return AutoTokenizer.from_pretrained(
+            model_dir, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+        )
+    except OSError as e:  # transformers' wording for "not found / not reachable / gated"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.path={model_dir}: cannot load its tokenizer ({reason}); point model.path "
+            "at a local model directory, or check the hub id and your access to it."
+        ) from None

@@ -1,0 +1,70 @@
+"""Checks, before any heavy work, that every input a command names exists.
+
+A missing model directory, data file, feature store or prompt file should cost the user one
+line and a second, not a minute of model loading and a page of Hugging Face tracebacks. Each
+entry point calls ``check_inputs`` right after typing its config; everything here is a file
+system lookup (plus a look into the local Hugging Face cache for a hub id while offline).
+The loaders still check what they read in full (formats, manifests, checksums).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagleforge.checkpoint import TRAINING_STATE
+from eagleforge.config import EagleForgeConfig
+from eagleforge.data.conversations import expand_sources, source_files
+from eagleforge.errors import ConfigError
+from eagleforge.speculative.prompts import BUNDLED
+from eagleforge.target.source import check_model_path
+
+
+def check_inputs(
+    config: EagleForgeConfig,
+    *,
+    data: bool = True,
+    need_weights: bool = True,
+    prompts: bool = False,
+) -> None:
+    """ConfigError/DataError naming the first missing input of this command: the target model,
+    the training data (``data``: online data files, or the feature store of data.features),
+    the prompts (``prompts``, or when training measures real τ), model.draft_init and an
+    explicit trainer.resume."""
+    check_model_path(config.model, need_weights=need_weights)
+    if data:
+        if config.data.features:
+            check_feature_store(config.data.features)
+        else:
+            source_files(config.data.format, config.data.sources())
+            if config.data.eval_path:
+                expand_sources([config.data.eval_path])
+    if prompts or config.trainer.eval_tau_every_n_steps:
+        check_prompts(config.eval.prompts)
+    if config.model.draft_init and not Path(config.model.draft_init).is_dir():
+        raise ConfigError(
+            f"model.draft_init={config.model.draft_init}: no such directory; give a "
+            "checkpoints/step_* directory or an exported draft, or unset it."
+        )
+    resume = config.trainer.resume
+    if resume not in ("auto", "never") and not (Path(resume) / TRAINING_STATE).is_file():
+        raise ConfigError(
+            f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
+            "checkpoints/step_* directory, auto or never."
+        )
+
+
+def check_feature_store(store: str) -> None:
+    """data.features names a store that eagleforge.prepare wrote (its train split at least)."""
+    if not (Path(store) / "train" / "manifest.json").is_file():
+        raise ConfigError(
+            f"data.features={store}: no feature store there (no train/manifest.json); write "
+            "one with python -m eagleforge.prepare prepare.output_dir=DIR, or fix the path."
+        )
+
+
+def check_prompts(prompts: str) -> None:
+    if prompts not in BUNDLED and not Path(prompts).is_file():
+        raise ConfigError(
+            f"eval.prompts={prompts}: no such file; give a jsonl path or one of: "
+            f"{', '.join(sorted(BUNDLED))}."
+        )
