@@ -44,7 +44,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_capture_writes_shards_manifest_and_all_samples(store: Path) -> None:
     manifest = json.loads((store / "train" / "manifest.json").read_text())
     assert manifest["target"] == "tiny" and manifest["max_length"] == 96
-    assert manifest["aux_layer_ids"] == [1, 2, 2] and manifest["dtype"] == "float32"
+    assert manifest["aux_layer_ids"] == [1, 2, 4] and manifest["dtype"] == "float32"
     train_set = FeatureDataset(store / "train", verify_checksums=True)
     assert len(train_set) == manifest["num_samples"] and manifest["num_shards"] == 3
     ids, mask, aux, final = train_set[4]
