@@ -142,7 +142,7 @@ def check_main(argv: list[str]) -> int:
     return status
 
 
-@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
     typed = OmegaConf.to_object(cfg.export)

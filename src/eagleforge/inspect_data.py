@@ -47,7 +47,7 @@ def inspect(cfg: DictConfig) -> None:
         print(marked_sample(ids, mask, tokenizer, color))
 
 
-@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
     inspect(cfg)

@@ -215,7 +215,7 @@ def run(config: EagleForgeConfig) -> Path:
     return out
 
 
-@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
     run(to_typed(cfg))

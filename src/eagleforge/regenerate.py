@@ -21,7 +21,7 @@ from eagleforge.data.regenerate import run
 from eagleforge.errors import exit_on_user_error
 
 
-@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
     config = to_typed(cfg)
