@@ -105,18 +105,18 @@ def test_killed_job_resumes_without_duplicates_or_losses(server: str, tmp_path: 
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     chunks = tmp_path / "regen.jsonl.chunks"
-    while len(list(chunks.glob("0?????.jsonl"))) < 2 and proc.poll() is None:
+    while len(list(chunks.glob("*-*[0-9].jsonl"))) < 2 and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    finished = {p.name: p.read_text() for p in chunks.glob("0?????.jsonl")}
+    finished = {p.name: p.read_text() for p in chunks.glob("*-*[0-9].jsonl")}
     assert len(finished) >= 2 and not output.exists()
     summary = run(to_typed(compose_config(args)))
     assert summary.rows == 6 - len(finished)  # only the unfinished chunks ran again
     written = rows(output)
     assert len(written) == 6 and len({r["id"] for r in written}) == 6
-    for name, text in finished.items():  # finished chunks are kept as they were
-        assert written[int(name.split(".")[0])] == json.loads(text)
+    for name, text in finished.items():  # finished chunks (named start-end) kept as they were
+        assert written[int(name.split("-")[0])] == json.loads(text)
 
 
 def test_failed_requests_are_retried_then_recorded(tmp_path: Path) -> None:

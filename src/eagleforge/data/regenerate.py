@@ -5,14 +5,18 @@ again by the target, conditioned on the *regenerated* history. The result is Ope
 jsonl (``{"id", "messages"}``), which ``data=jsonl data.path=...`` trains on.
 
 Rows are processed in chunks of ``regenerate.chunk_rows``. A finished chunk is written
-atomically to ``<output>.chunks/`` and never redone: the same command after a kill continues
-with the first unfinished chunk. When every chunk is done they are joined into ``output``.
+atomically to ``<output>.chunks/``, named by the source rows it covers, and never redone: the
+same command after a kill regenerates only the rows no chunk covers (whatever chunk_rows it
+uses). The settings that define the data (source rows, model, sampling) are written there
+before the first chunk; a resumed job with other settings is refused. When every row is done
+the chunks are joined into ``output`` and the settings kept as ``<output>.settings.json``.
 Requests that still fail after the retries are left out and recorded, with the reason, in
 ``<output>.failed.jsonl``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -188,8 +192,46 @@ def read_input(data: DataConfig, limit: int | None) -> tuple[list[Row], list[dic
     return rows, bad
 
 
-def chunk_path(chunks_dir: Path, index: int) -> Path:
-    return chunks_dir / f"{index:06d}.jsonl"
+# A chunk file is named by the source rows it covers, [start, end): resume needs no chunk size.
+CHUNK_NAME = re.compile(r"^(\d+)-(\d+)\.jsonl$")
+OLD_CHUNK_NAME = re.compile(r"^\d{6}\.jsonl$")  # numbered chunks, before settings were kept
+
+
+def chunk_path(chunks_dir: Path, span: tuple[int, int], suffix: str = ".jsonl") -> Path:
+    return chunks_dir / f"{span[0]:09d}-{span[1]:09d}{suffix}"
+
+
+def finished_chunks(chunks_dir: Path, num_rows: int) -> list[tuple[int, int]]:
+    """The source row spans [start, end) whose chunks are on disk, in order; ConfigError for a
+    file that cannot be a chunk of this job."""
+    spans = []
+    for path in sorted(chunks_dir.glob("*.jsonl")):
+        if OLD_CHUNK_NAME.match(path.name):
+            raise ConfigError(
+                f"{chunks_dir} holds chunks of an older eagleforge, which did not record the "
+                "settings they were made with; finish the job with that version, or remove the "
+                "directory to start over."
+            )
+        if (match := CHUNK_NAME.match(path.name)) is not None:
+            spans.append((int(match.group(1)), int(match.group(2))))
+    for (start, end), previous_end in zip(spans, [0] + [e for _, e in spans], strict=False):
+        if not previous_end <= start < end <= num_rows:
+            raise ConfigError(
+                f"{chunk_path(chunks_dir, (start, end))} overlaps another chunk or lies past "
+                f"the {num_rows} source conversations; remove {chunks_dir} to start over."
+            )
+    return spans
+
+
+def unfinished_chunks(
+    num_rows: int, done: list[tuple[int, int]], chunk_rows: int
+) -> list[tuple[int, int]]:
+    """The spans of at most ``chunk_rows`` rows that cover every row no finished chunk does."""
+    todo, start = [], 0
+    for done_start, done_end in [*done, (num_rows, num_rows)]:
+        todo += [(i, min(i + chunk_rows, done_start)) for i in range(start, done_start, chunk_rows)]
+        start = done_end
+    return todo
 
 
 def write_lines_atomically(path: Path, lines: list[str]) -> None:
@@ -264,6 +306,7 @@ class ServerBackend:
         self.urls = [url.rstrip("/") for url in cfg.base_urls]
         self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
         self.model = cfg.model or self._served_model()
+        self.model_name = self.model  # recorded with the output (see run_settings)
         self.pool = ThreadPoolExecutor(cfg.concurrency)
         self.calls = 0
 
@@ -434,6 +477,68 @@ class Summary:
         return self.rows / max(self.seconds, 1e-9)
 
 
+def run_settings(config: EagleForgeConfig, rows: list[Row]) -> dict[str, Any]:
+    """What defines the output: the source conversations and how the target rewrites them.
+    Kept beside the chunks; a resumed job must match it (``model`` is added once known)."""
+    cfg, data = config.regenerate, config.data
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([row.id, row.messages], sort_keys=True).encode() + b"\n")
+    return {
+        "source": {
+            "format": data.format.value,
+            "files": [str(f) for f in source_files(data.format, data.sources())],
+            "max_rows": cfg.max_rows if cfg.max_rows is not None else data.max_num_samples,
+            "rows": len(rows),
+            "sha256": digest.hexdigest(),
+        },
+        "backend": cfg.backend.value,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens,
+        "keep_reasoning": cfg.keep_reasoning,
+        "num_samples": cfg.num_samples,
+    }
+
+
+def check_same_settings(
+    recorded: dict[str, Any], settings: dict[str, Any], chunks_dir: Path
+) -> None:
+    """ConfigError naming the first field of ``settings`` that differs from ``recorded``."""
+    redo = (
+        f"or choose another regenerate.output (resuming would make one data set of two), or "
+        f"remove {chunks_dir} to start over."
+    )
+    for name, value in settings.items():
+        old = recorded.get(name)
+        if value is None or value == old:
+            continue
+        if name == "source":  # the same conversations, wherever the files are now
+            if (value["rows"], value["sha256"]) == (old["rows"], old["sha256"]):
+                continue
+            if value["max_rows"] != old["max_rows"]:
+                raise ConfigError(
+                    f"regenerate.max_rows={_show(value['max_rows'])} (or data.max_num_samples) "
+                    f"but the chunks in {chunks_dir} were made from the first "
+                    f"{_show(old['max_rows'])} conversations: rerun with that limit to resume, "
+                    + redo
+                )
+            raise ConfigError(
+                f"data.path={','.join(value['files']) or value['format']} gives other "
+                f"conversations than the {old['rows']} the chunks in {chunks_dir} were made "
+                f"from (read from {','.join(old['files']) or old['format']}; ids are file:line "
+                "where rows have none): rerun with that data to resume, " + redo
+            )
+        raise ConfigError(
+            f"regenerate.{name}={_show(value)} but the chunks in {chunks_dir} were made with "
+            f"regenerate.{name}={_show(old)}: rerun with that value to resume, " + redo
+        )
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     """Regenerate ``config.data`` into ``config.regenerate.output``, resuming finished chunks."""
     cfg = config.regenerate
@@ -448,10 +553,20 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     rows, bad_rows = read_input(config.data, limit)
     chunks_dir = output.with_name(f"{output.name}.chunks")
     chunks_dir.mkdir(parents=True, exist_ok=True)
+    settings_path = chunks_dir / "settings.json"
     failures_path = output.with_name(f"{output.name}.failed.jsonl")
-    chunks = [rows[i : i + cfg.chunk_rows] for i in range(0, len(rows), cfg.chunk_rows)]
-    todo = [i for i in range(len(chunks)) if not chunk_path(chunks_dir, i).exists()]
-    done_rows = sum(len(chunks[i]) for i in range(len(chunks)) if i not in todo)
+    done = finished_chunks(chunks_dir, len(rows))
+    settings = run_settings(config, rows)
+    if done and not settings_path.exists():
+        raise ConfigError(
+            f"{chunks_dir} holds chunks but not the settings.json they were made with; remove "
+            "the directory to start over."
+        )
+    recorded = json.loads(settings_path.read_text()) if done else None
+    if recorded is not None:
+        check_same_settings(recorded, settings, chunks_dir)
+    todo = unfinished_chunks(len(rows), done, cfg.chunk_rows)
+    done_rows = sum(end - start for start, end in done)
     if done_rows:
         log.info("resuming: %d of %d conversations already done", done_rows, len(rows))
     start = time.perf_counter()
@@ -461,21 +576,36 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
             if cfg.backend == Backend.server
             else HFBackend.from_config(cfg, config)
         )
+        model = getattr(generate, "model_name", None) or cfg.model
+        if model is None and cfg.backend == Backend.hf:
+            model = hf_model_name(config)
+        if recorded is not None:
+            check_same_settings(recorded, {"model": model}, chunks_dir)
+        else:  # before the first chunk: every chunk on disk was made with these settings
+            write_lines_atomically(settings_path, [json.dumps({**settings, "model": model})])
         bar = tqdm(total=len(rows), initial=done_rows, unit="conv", desc="regenerate")
-        for index in todo:
-            out, failures = regenerate_rows(chunks[index], generate, cfg)
+        for span in todo:
+            out, failures = regenerate_rows(rows[span[0] : span[1]], generate, cfg)
             # failures first: a chunk file is the mark that its failures are recorded too
             write_lines_atomically(
-                chunks_dir / f"{index:06d}.failed.jsonl", [json.dumps(f) for f in failures]
+                chunk_path(chunks_dir, span, ".failed.jsonl"), [json.dumps(f) for f in failures]
             )
-            write_lines_atomically(chunk_path(chunks_dir, index), [json.dumps(r) for r in out])
-            bar.update(len(chunks[index]))
+            write_lines_atomically(chunk_path(chunks_dir, span), [json.dumps(r) for r in out])
+            bar.update(span[1] - span[0])
         bar.close()
     seconds = time.perf_counter() - start
-    written = _join(chunks_dir, len(chunks), output)
-    recorded = _join_failures(chunks_dir, len(chunks), bad_rows, failures_path)
+    spans = finished_chunks(chunks_dir, len(rows))
+    if unfinished_chunks(len(rows), spans, cfg.chunk_rows):  # a bug, never a silent loss
+        raise RuntimeError(f"chunks {spans} in {chunks_dir} miss some of the {len(rows)} rows")
+    written = _join(chunks_dir, spans, output)
+    recorded_failures = _join_failures(chunks_dir, spans, bad_rows, failures_path)
+    if settings_path.exists():  # kept with the data it describes
+        os.replace(settings_path, output.with_name(f"{output.name}.settings.json"))
+    for tmp in chunks_dir.glob(".tmp-*"):  # a write a kill interrupted
+        tmp.unlink()
+    chunks_dir.rmdir()
     summary = Summary(
-        len(rows) - done_rows, written, recorded - len(bad_rows), len(bad_rows), seconds
+        len(rows) - done_rows, written, recorded_failures - len(bad_rows), len(bad_rows), seconds
     )
     log.info(
         "regenerated %d conversations (%.2f/s): %d rows written to %s; %d failed, %d source "
@@ -486,31 +616,30 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
         output,
         summary.failed,
         summary.skipped,
-        f" (see {failures_path})" if recorded else "",
+        f" (see {failures_path})" if recorded_failures else "",
     )
     return summary
 
 
-def _join(chunks_dir: Path, num_chunks: int, output: Path) -> int:
+def _join(chunks_dir: Path, spans: list[tuple[int, int]], output: Path) -> int:
     """Every chunk, in order, into ``output`` (atomically); the chunks are then removed."""
     lines = []
-    for index in range(num_chunks):
-        lines += chunk_path(chunks_dir, index).read_text().splitlines()
+    for span in spans:
+        lines += chunk_path(chunks_dir, span).read_text().splitlines()
     write_lines_atomically(output, lines)
-    for index in range(num_chunks):
-        chunk_path(chunks_dir, index).unlink()
+    for span in spans:
+        chunk_path(chunks_dir, span).unlink()
     return len(lines)
 
 
 def _join_failures(
-    chunks_dir: Path, num_chunks: int, bad_rows: list[dict[str, Any]], path: Path
+    chunks_dir: Path, spans: list[tuple[int, int]], bad_rows: list[dict[str, Any]], path: Path
 ) -> int:
     lines = [json.dumps(row) for row in bad_rows]
-    for index in range(num_chunks):
-        part = chunks_dir / f"{index:06d}.failed.jsonl"
+    for span in spans:
+        part = chunk_path(chunks_dir, span, ".failed.jsonl")
         lines += part.read_text().splitlines()
         part.unlink()
-    chunks_dir.rmdir()
     if lines:
         write_lines_atomically(path, lines)
     return len(lines)
