@@ -3,8 +3,9 @@
     python -m eagleforge.inspect_data +model=smollm2 data=chitchat inspect.num_samples=3
 
 Prints the preprocessing counts (rows, kept, skipped by reason, tokens, supervised tokens), a
-histogram of sample lengths, and renders samples with the supervised tokens marked. Bad input
-under ``data.on_error=raise`` exits with status 2 and the named error.
+histogram of sample lengths, and renders samples with the supervised tokens marked: every
+conversation of the source (none is held out for eval; ``data.eval_path`` gets its counts).
+Bad input under ``data.on_error=raise`` exits with status 2 and the named error.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import hydra
 from omegaconf import DictConfig
 
 from eagleforge.config import conf_dir, register_configs, to_typed
-from eagleforge.data.dataset import build_datasets
+from eagleforge.data.conversations import DataFormat
+from eagleforge.data.dataset import preprocess_source
 from eagleforge.data.inspection import (
     ANSI_RESET,
     ANSI_SUPERVISED,
@@ -32,17 +34,26 @@ def inspect(cfg: DictConfig) -> None:
     config = to_typed(cfg)
     cache_dir = config.resolved_cache_dir()
     tokenizer = load_tokenizer(config.model, resolve_model_dir(config.model, cache_dir))
-    data = build_datasets(config.data, tokenizer, cache_dir, config.seed)
+    data = config.data
+    # every conversation of the source: nothing is held out for eval here
+    dataset, report, _ = preprocess_source(
+        data, data.format, data.sources(), tokenizer, cache_dir, data.max_num_samples
+    )
     color = config.inspect.color if config.inspect.color is not None else sys.stdout.isatty()
-    print(f"data={config.data.name} template={config.data.template} model={config.model.name}")
-    print("\n".join(report_lines(data.report, data.train, config.inspect.num_buckets)))
+    print(f"data={data.name} template={data.template} model={config.model.name}")
+    print("\n".join(report_lines(report, dataset, config.inspect.num_buckets)))
+    if data.eval_path:
+        _, eval_report, _ = preprocess_source(
+            data, DataFormat.auto, [data.eval_path], tokenizer, cache_dir, None
+        )
+        print(f"eval_path {data.eval_path}: {eval_report.summary()}")
     legend = (
         f"{ANSI_SUPERVISED}supervised{ANSI_RESET}"
         if color
         else f"{PLAIN_OPEN}supervised{PLAIN_CLOSE}"
     )
-    for index in range(min(config.inspect.num_samples, len(data.train))):
-        ids, mask = data.train[index]
+    for index in range(min(config.inspect.num_samples, len(dataset))):
+        ids, mask = dataset[index]
         print(f"\n--- sample {index}: {len(ids)} tokens, {sum(mask)} supervised ({legend}) ---")
         print(marked_sample(ids, mask, tokenizer, color))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,16 @@ def test_inspect_bad_row_exits_2_naming_file_and_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert f"error: {data}:5: not valid JSON" in proc.stderr
     assert "data.on_error=skip" in proc.stderr
+
+
+def test_inspect_needs_no_eval_split(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A file too small to hold anything out is inspected whole, whatever num_eval_samples says."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text((FIXTURES / "openai_small.jsonl").read_text())
+    inspect(compose_config([
+        "+model=smollm2", "data=jsonl", f"data.path={data}", "data.num_eval_samples=64",
+        "inspect.num_samples=0", "inspect.num_buckets=1", "output_dir=unused",
+    ]))  # fmt: skip
+    out = capsys.readouterr().out
+    assert "kept:               4" in out
+    assert re.search(r"^\s+1-\d+\s+4\s", out, re.MULTILINE), out

@@ -631,6 +631,23 @@ def test_build_datasets_eval_path_and_no_eval(
         build_datasets(_config(train, num_eval_samples=3), smollm2_tokenizer, cache, seed=0)
 
 
+@pytest.mark.parametrize(("num_rows", "num_eval"), [(19, 0), (40, 2), (108, 5), (1400, 64)])
+def test_default_holdout_scales_with_the_data(
+    smollm2_tokenizer, tmp_path: Path, cache: Path, num_rows: int, num_eval: int
+) -> None:  # type: ignore[no-untyped-def]
+    """num_eval_samples unset: 5% of the usable conversations are held out, at most 64 (and
+    none below 20), so a small file keeps 95% of its rows for training."""
+    rows = [
+        {"messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": "A"}]}
+        for i in range(num_rows)
+    ]
+    cfg = DataConfig(name="t", path=str(_write_jsonl(tmp_path / "rows.jsonl", rows)))
+    assert cfg.num_eval_samples is None
+    prepared = build_datasets(cfg, smollm2_tokenizer, cache, seed=0)
+    assert len(prepared.eval or []) == num_eval
+    assert len(prepared.train) == num_rows - num_eval
+
+
 # --- vocab cache ---------------------------------------------------------------------------
 
 

@@ -83,8 +83,9 @@ class DataConfig:
     extra_paths: list[str] = field(default_factory=list)
     # Held-out data (same kinds as path); null = hold out num_eval_samples of the training rows.
     eval_path: str | None = None
-    # Conversations held out for eval when eval_path is null (0 = no eval).
-    num_eval_samples: int = 64
+    # Conversations held out for eval when eval_path is null (0 = no eval); null = 5% of the
+    # usable conversations, at most 64 (none with fewer than 20).
+    num_eval_samples: int | None = None
     # Use only the first N rows of the source (null = all).
     max_num_samples: int | None = None
     # Tokens per sample.
@@ -125,7 +126,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.max_length < 4:
             raise ConfigError(f"data.max_length must be >= 4 tokens, got {self.max_length}.")
-        if self.num_eval_samples < 0:
+        if self.num_eval_samples is not None and self.num_eval_samples < 0:
             raise ConfigError(f"data.num_eval_samples must be >= 0, got {self.num_eval_samples}.")
         if self.num_proc < 1:
             raise ConfigError(f"data.num_proc must be >= 1, got {self.num_proc}.")
@@ -554,6 +555,25 @@ def vision_settings(processor: VisionProcessor, min_pixels: int, max_pixels: int
     )
 
 
+# data.num_eval_samples=null holds out this fraction of the usable conversations, at most
+# DEFAULT_MAX_EVAL: an eval loss needs a few dozen conversations, training needs the rest.
+DEFAULT_EVAL_FRACTION = 0.05
+DEFAULT_MAX_EVAL = 64
+
+
+def num_held_out(num_eval_samples: int | None, num_usable: int) -> int:
+    """Conversations to hold out of ``num_usable`` for ``data.num_eval_samples`` (null: the
+    scaled default); ConfigError when an explicit count leaves nothing to train on."""
+    if num_eval_samples is None:
+        return min(DEFAULT_MAX_EVAL, int(num_usable * DEFAULT_EVAL_FRACTION))
+    if num_eval_samples >= num_usable:
+        raise ConfigError(
+            f"data.num_eval_samples={num_eval_samples} leaves no training data ({num_usable} "
+            "usable conversations); lower it, or unset it for 5% of them."
+        )
+    return num_eval_samples
+
+
 @dataclass
 class PreparedData:
     train: TokenizedDataset
@@ -586,17 +606,13 @@ def build_datasets(
             cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None, processor
         )
         return PreparedData(full, held_out, report, entry.name)
-    if cfg.num_eval_samples == 0:
+    num_eval = num_held_out(cfg.num_eval_samples, len(full))
+    if num_eval == 0:
         return PreparedData(full, None, report, entry.name)
-    if cfg.num_eval_samples >= len(full):
-        raise ConfigError(
-            f"data.num_eval_samples={cfg.num_eval_samples} leaves no training data "
-            f"({len(full)} conversations); lower it."
-        )
     order = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
-    held_out_ids = sorted(order[: cfg.num_eval_samples])
-    train_ids = sorted(order[cfg.num_eval_samples :])
-    key = f"{entry.name}-holdout{cfg.num_eval_samples}-seed{seed}"
+    held_out_ids = sorted(order[:num_eval])
+    train_ids = sorted(order[num_eval:])
+    key = f"{entry.name}-holdout{num_eval}-seed{seed}"
     return PreparedData(full.subset(train_ids), full.subset(held_out_ids), report, key)
 
 
