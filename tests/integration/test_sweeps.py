@@ -157,6 +157,7 @@ def test_submitit_local_sweep_saves_requeues_and_resumes_on_sigusr2(tmp_path: Pa
     )
     requeued = set(re.findall(r"Requeued job (\d+)", submitit_logs))
     assert len(requeued) == 2, submitit_logs[-3000:]
+    assert [p for p in tmp_path.rglob("*") if "%" in p.name] == []  # no literal %j folder
     runs = runs_by_job(tmp_path)
     for n, job in enumerate(jobs):
         log = (job / "train.log").read_text()

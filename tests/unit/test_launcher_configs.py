@@ -91,6 +91,7 @@ def test_slurm_launcher_runs_one_task_per_gpu_and_requeues(
         assert line in script.splitlines(), (line, script)
     assert executor.max_num_timeout == 20
     assert str(tmp_path / "sweep" / ".submitit") in str(executor.folder)
+    assert [p for p in tmp_path.rglob("*") if "%" in p.name] == []
 
 
 def test_tasks_follow_gpus_per_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -108,3 +109,17 @@ def test_local_launcher_composes() -> None:
     launcher = launcher_config("local").hydra.launcher
     assert launcher._target_.endswith("LocalLauncher")
     assert (launcher.tasks_per_node, launcher.gpus_per_node, launcher.timeout_min) == (1, 0, 60)
+
+
+def test_local_launcher_keeps_submitit_files_in_the_sweep_dir(tmp_path: Path) -> None:
+    """submitit's local controller creates its folder before substituting the job id, so a
+    `%j` in it would leave an empty literal `%j` directory behind."""
+    import submitit
+
+    launcher = launcher_config("local", f"hydra.sweep.dir={tmp_path / 'sweep'}").hydra.launcher
+    executor = submitit.AutoExecutor(folder=launcher.submitit_folder, cluster="local")
+    executor.update_parameters(timeout_min=1)
+    job = executor.submit(sum, [1, 2])
+    assert job.result() == 3
+    assert [p for p in tmp_path.rglob("*") if "%" in p.name] == []
+    assert (tmp_path / "sweep" / ".submitit" / f"{job.job_id}_0_log.out").is_file()
