@@ -129,11 +129,7 @@ def offline_inputs(
     store = Path(config.data.features or "")
     verify = config.data.verify_features
     train_set = FeatureDataset(store / "train", verify)
-    eval_set = (
-        FeatureDataset(store / "eval", verify)
-        if (store / "eval" / "manifest.json").is_file()
-        else None
-    )
+    eval_set = FeatureDataset.eval_split(store, verify)
     dtype = config.model.dtype.torch_dtype(device)
     target = HeadOnlyTarget(model_dir, dtype, device, config.model.aux_layer_ids)
     expected = expected_manifest(config, model_dir, target)

@@ -4,6 +4,8 @@ training, and the store's fault cases (truncated or corrupted shard, another set
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,7 +79,7 @@ def test_rerun_completes_only_missing_shards(tmp_path: Path) -> None:
     kept = (train_dir / "shard_00000.safetensors").stat().st_mtime_ns
     (train_dir / "shard_00002.json").unlink()  # as if killed before the shard finished
     (train_dir / ".tmp-shard_00002.safetensors").write_bytes(b"partial")
-    with pytest.raises(DataError, match="shard_00002.safetensors: missing, truncated"):
+    with pytest.raises(DataError, match=r"shard_00002.safetensors: not finished \(no shard_00002"):
         FeatureDataset(train_dir)
     _prepare(tmp_path, tmp_path / "features")
     assert (train_dir / "shard_00000.safetensors").stat().st_mtime_ns == kept
@@ -90,7 +92,7 @@ def test_truncated_and_corrupted_shards_are_named(tmp_path: Path) -> None:
     shard = store / "train" / "shard_00001.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(DataError, match=r"shard_00001.safetensors: missing, truncated"):
+    with pytest.raises(DataError, match=r"shard_00001.safetensors: truncated \("):
         FeatureDataset(store / "train")
     flipped = bytearray(data)
     flipped[len(data) - 100] ^= 0xFF
@@ -98,6 +100,31 @@ def test_truncated_and_corrupted_shards_are_named(tmp_path: Path) -> None:
     FeatureDataset(store / "train", verify_checksums=False)  # same size: only sha256 can tell
     with pytest.raises(DataError, match="shard_00001.safetensors: checksum mismatch"):
         FeatureDataset(store / "train")  # a small store is checksummed by default
+
+
+def test_a_store_whose_eval_split_is_damaged_is_refused(tmp_path: Path, store: Path) -> None:
+    """An eval/ directory without a readable manifest fails the run (it would train silently
+    without eval), naming the file and both ways out."""
+    copy = tmp_path / "features"
+    shutil.copytree(store, copy)
+    (copy / "eval" / "manifest.json").unlink()
+    with pytest.raises(DataError, match=r"eval: no manifest.json.*delete .*eval to train without"):
+        _train(tmp_path, "no-eval-manifest", f"data.features={copy}")
+    (copy / "eval" / "manifest.json").write_text("{")
+    with pytest.raises(DataError, match=r"eval/manifest.json: corrupt, not valid JSON"):
+        _train(tmp_path, "corrupt-eval-manifest", f"data.features={copy}")
+
+
+def test_a_store_prepared_without_eval_trains_and_says_so(
+    tmp_path: Path, store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    copy = tmp_path / "features"
+    shutil.copytree(store / "train", copy / "train")  # as prepared with data.num_eval_samples=0
+    with caplog.at_level(logging.INFO, logger="eagleforge"):
+        result = _train(tmp_path, "no-eval", f"data.features={copy}")
+    assert result.step == 3 and not result.final_eval
+    said = [r.getMessage() for r in caplog.records if "no eval split" in r.getMessage()]
+    assert said == [f"{copy}: no eval split in the store: training without eval"]
 
 
 def test_store_of_another_setup_is_refused(tmp_path: Path, store: Path) -> None:

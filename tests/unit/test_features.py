@@ -81,3 +81,53 @@ def test_weight_hash_follows_the_weights(tmp_path: Path) -> None:
     assert weight_hash(tmp_path) == before
     save_file({"w": torch.ones(64, 64)}, str(tmp_path / "model.safetensors"))
     assert weight_hash(tmp_path) != before
+
+
+def _small_store(tmp_path: Path) -> Path:
+    data = TokenizedDataset([[1, 2, 3], [4, 5], [6, 1]], [[0, 1, 1], [1, 1], [0, 1]])
+    capture_split(tmp_path, data, _manifest(3), NaNTarget(), batch_size=2)  # type: ignore[arg-type]
+    return tmp_path
+
+
+def _drop_key(path: Path, key: str) -> None:
+    record = json.loads(path.read_text())
+    del record[key]
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "problem"),
+    [
+        ("manifest.json", lambda p: p.write_text('{"target": "t",'), "not valid JSON"),
+        ("manifest.json", lambda p: _drop_key(p, "num_shards"), "no num_shards"),
+        ("manifest.json", lambda p: p.write_text("[1, 2]"), "not a JSON object"),
+        ("shard_00001.json", lambda p: p.write_text("{"), "not valid JSON"),
+        ("shard_00001.json", lambda p: _drop_key(p, "bytes"), "no bytes"),
+        ("shard_00000.json", lambda p: _drop_key(p, "sha256"), "no sha256"),
+    ],
+)
+def test_a_corrupt_manifest_or_sidecar_is_named_with_the_fix(
+    tmp_path: Path, name: str, damage, problem: str
+) -> None:  # type: ignore[no-untyped-def]
+    """One DataError naming the damaged file, what is wrong with it and what to do."""
+    store = _small_store(tmp_path)
+    damage(store / name)
+    with pytest.raises(DataError) as caught:
+        FeatureDataset(store, verify_checksums=True)
+    message = str(caught.value)
+    assert str(store / name) in message and problem in message
+    assert "eagleforge.prepare" in message and "delete" in message
+
+
+def test_prepare_recaptures_a_shard_whose_sidecar_is_corrupt(tmp_path: Path) -> None:
+    store = _small_store(tmp_path)
+    (store / "shard_00001.json").write_text("{")
+    counts = capture_split(
+        store,
+        TokenizedDataset([[1, 2, 3], [4, 5], [6, 1]], [[0, 1, 1], [1, 1], [0, 1]]),
+        _manifest(3),
+        NaNTarget(),
+        batch_size=2,
+    )  # type: ignore[arg-type]
+    assert counts["shards"] == 1
+    assert len(FeatureDataset(store, verify_checksums=True)) == 3

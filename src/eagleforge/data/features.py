@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import typing
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from safetensors.torch import save_file
 
 from eagleforge.data.dataset import file_digest
 from eagleforge.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "eagleforge-features"
 VERSION = 1
@@ -115,13 +119,25 @@ class Manifest:
             raise DataError(
                 f"{store}: no manifest.json; not a feature store (run eagleforge.prepare)."
             )
-        data = json.loads(path.read_text())
+        fix = (
+            "delete it and re-run the same eagleforge.prepare command (it writes the manifest "
+            "again and keeps the complete shards)"
+        )
+        data = _read_record(path, fix)
         if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise DataError(
                 f"{path}: not an {FORMAT} v{VERSION} manifest; capture the store again with "
                 "eagleforge.prepare into an empty prepare.output_dir, or point data.features "
                 "elsewhere."
             )
+        hints = typing.get_type_hints(cls)
+        _check_fields(
+            path,
+            data,
+            {f.name: hints[f.name] for f in fields(cls) if f.default is MISSING},
+            {f.name: hints[f.name] for f in fields(cls) if f.default is not MISSING},
+            fix,
+        )
         return cls(**data)
 
     def check_matches(self, expected: Mapping[str, Any], store: Path) -> None:
@@ -155,6 +171,39 @@ def weight_hash(model_dir: Path) -> str:
     return digest.hexdigest()[:32]
 
 
+def _read_record(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``; DataError naming the file, what is wrong and ``fix``."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: corrupt, not valid JSON ({e}); {fix}.") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: corrupt, not a JSON object; {fix}.")
+    return data
+
+
+def _check_fields(
+    path: Path,
+    data: dict[str, Any],
+    required: Mapping[str, Any],
+    optional: Mapping[str, Any],
+    fix: str,
+) -> None:
+    """DataError naming the first missing, unknown or mistyped key of the record ``data``
+    (types are classes or ``list[...]``; a bool is no int)."""
+    problems = [f"no {name}" for name in required if name not in data]
+    problems += [f"unknown key {name}" for name in data if name not in {**required, **optional}]
+    for name, hint in {**required, **optional}.items():
+        expected = typing.get_origin(hint) or hint
+        if name not in data:
+            continue
+        value = data[name]
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+            problems.append(f"{name} is {value!r}, not a {expected.__name__}")
+    if problems:
+        raise DataError(f"{path}: corrupt, {'; '.join(problems)}; {fix}.")
+
+
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -165,13 +214,50 @@ def shard_name(index: int) -> str:
     return f"shard_{index:05d}"
 
 
-def shard_complete(store: Path, index: int) -> bool:
-    """The shard's sidecar exists and its file has the recorded size."""
+# A shard's sidecar: what write_shard records.
+SIDECAR_FIELDS = {
+    "samples": int,
+    "tokens": int,
+    "bytes": int,
+    "sha256": str,
+    "nonfinite_samples": list[int],
+}
+
+
+def read_sidecar(store: Path, index: int) -> dict[str, Any]:
+    """The shard's sidecar record; DataError naming it when it is corrupt."""
+    path = store / f"{shard_name(index)}.json"
+    fix = (
+        f"delete it and {shard_name(index)}.safetensors, then re-run the same "
+        "eagleforge.prepare command to capture that shard again"
+    )
+    record = _read_record(path, fix)
+    _check_fields(path, record, SIDECAR_FIELDS, {}, fix)
+    return record
+
+
+def shard_problem(store: Path, index: int) -> str | None:
+    """Why the shard is not complete (None: its sidecar is whole and its file has the
+    recorded size)."""
     meta = store / f"{shard_name(index)}.json"
     data = store / f"{shard_name(index)}.safetensors"
-    if not meta.is_file() or not data.is_file():
+    if not data.is_file():
+        return "missing"
+    if not meta.is_file():
+        return f"not finished (no {meta.name})"
+    size, recorded = data.stat().st_size, read_sidecar(store, index)["bytes"]
+    if size != recorded:
+        return f"truncated ({size} bytes, {meta.name} records {recorded})"
+    return None
+
+
+def shard_complete(store: Path, index: int) -> bool:
+    """The shard's sidecar exists and is whole, and its file has the recorded size: a shard
+    that is not complete (a corrupt sidecar included) is captured again by prepare."""
+    try:
+        return shard_problem(store, index) is None
+    except DataError:
         return False
-    return bool(json.loads(meta.read_text())["bytes"] == data.stat().st_size)
 
 
 def write_shard(
@@ -240,19 +326,18 @@ class FeatureDataset(torch.utils.data.Dataset):
         self._index: list[tuple[int, int, int]] = []  # (shard, start, end)
         for shard in range(self.manifest.num_shards):
             path = self.store / f"{shard_name(shard)}.safetensors"
-            if not shard_complete(self.store, shard):
+            problem = shard_problem(self.store, shard)
+            if problem is not None:
                 raise DataError(
-                    f"{path}: missing, truncated or not finished (size differs from its "
-                    f"{shard_name(shard)}.json); re-run the same eagleforge.prepare command "
-                    "to complete the store."
+                    f"{path}: {problem}; re-run the same eagleforge.prepare command to "
+                    "complete the store."
                 )
-            if verify_checksums:
-                record = json.loads((self.store / f"{shard_name(shard)}.json").read_text())
-                if file_digest(path) != record["sha256"]:
-                    raise DataError(
-                        f"{path}: checksum mismatch (corrupted); delete it and its .json, then "
-                        "re-run eagleforge.prepare to capture it again."
-                    )
+            sha256 = read_sidecar(self.store, shard)["sha256"]
+            if verify_checksums and file_digest(path) != sha256:
+                raise DataError(
+                    f"{path}: checksum mismatch (corrupted); delete it and its .json, then "
+                    "re-run eagleforge.prepare to capture it again."
+                )
             try:
                 offsets = self._open(shard).get_tensor("offsets").tolist()
             except Exception as e:  # safetensors raises its own error types on bad headers
@@ -293,6 +378,26 @@ class FeatureDataset(torch.utils.data.Dataset):
         if self.manifest.mrope:
             return (*sample, handle.get_slice("mrope_positions")[:, start:end].long())
         return sample
+
+    @classmethod
+    def eval_split(cls, store: Path, verify_checksums: bool | None = None) -> FeatureDataset | None:
+        """The store's eval split; None, said once in the log, when the store has none
+        (prepare writes ``eval/`` only when the data has a held-out split). An ``eval/`` that
+        cannot be opened is an error: training on without eval would go unnoticed."""
+        split = store / "eval"
+        if not split.exists():
+            log.info("%s: no eval split in the store: training without eval", store)
+            return None
+        if not (split / "manifest.json").is_file():
+            raise DataError(
+                f"{split}: no manifest.json, so the store's eval split is incomplete; re-run the "
+                f"same eagleforge.prepare command to capture it again, or delete {split} to "
+                "train without eval."
+            )
+        try:
+            return cls(split, verify_checksums)
+        except DataError as e:
+            raise DataError(f"{e} (Or delete {split} to train without eval.)") from None
 
     def token_samples(self) -> Iterator[tuple[list[int], list[int]]]:
         """(input_ids, loss_mask) of every sample, read shard by shard only when iterated
