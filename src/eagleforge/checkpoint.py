@@ -4,13 +4,17 @@ A checkpoint directory is also an SGLang draft directory (``config.json`` +
 ``model.safetensors``, see ``formats.py``), plus ``training_state.pt`` (optimizer state keyed by
 parameter name, scheduler, every rank's RNG states, step, epoch and data position; plain
 tensors and containers only, loadable with ``torch.load(weights_only=True)``) and
-``config.yaml``, the resolved run config. The state is whole, not sharded: a run resumes on
-any number of ranks.
+``config.yaml``, the resolved run config, and ``checksums.json``, the sha256 of each of those
+files. The state is whole, not sharded: a run resumes on any number of ranks. A checkpoint
+whose files do not match their checksums is corrupt (a disk or copy error after the save):
+``newest_checkpoint`` passes over it, with a warning, to the one before.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import logging
 import os
 import random
 import shutil
@@ -22,6 +26,7 @@ import torch
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import CheckpointError
+from eagleforge.files import sha256_file
 from eagleforge.formats import load_sglang, write_sglang
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import (
@@ -33,6 +38,9 @@ from eagleforge.parallel.fsdp import (
 )
 
 TRAINING_STATE = "training_state.pt"
+CHECKSUMS = "checksums.json"
+
+log = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
@@ -106,6 +114,7 @@ def _write(
         write_sglang(arch, tensors, tmp)
         torch.save(state, tmp / TRAINING_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
+        _record_checksums(tmp)
         for file in tmp.iterdir():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
@@ -129,6 +138,37 @@ def _write(
         ) from None
 
 
+def _record_checksums(directory: Path) -> None:
+    digests = {
+        file.name: sha256_file(file)
+        for file in sorted(directory.iterdir())
+        if file.is_file() and file.name != CHECKSUMS
+    }
+    (directory / CHECKSUMS).write_text(json.dumps({"sha256": digests}, indent=2) + "\n")
+
+
+def checksum_problem(checkpoint_dir: str | Path) -> str | None:
+    """What is wrong with a checkpoint's files by its ``checksums.json`` (None: nothing). A
+    checkpoint saved before checksums were recorded has none: it is used unverified, with a
+    note."""
+    path = Path(checkpoint_dir)
+    try:
+        digests = json.loads((path / CHECKSUMS).read_text())["sha256"]
+    except FileNotFoundError:
+        log.warning(
+            "%s has no %s (saved by an older eagleforge): loaded unverified", path, CHECKSUMS
+        )
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
+    for name, digest in digests.items():
+        if not (path / name).is_file():
+            return f"{name} is missing (listed in {CHECKSUMS})"
+        if sha256_file(path / name) != digest:
+            return f"{name} does not match its checksum in {CHECKSUMS}"
+    return None
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     numpy = state["numpy"]
@@ -147,10 +187,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete ``checkpoints/step_*`` of a run (temporary ``.tmp-*`` directories
-    of an interrupted save are not complete, and are ignored)."""
+    """The newest complete and intact ``checkpoints/step_*`` of a run. Temporary ``.tmp-*``
+    directories of an interrupted save are not complete, and are ignored; a corrupt
+    checkpoint (``checksum_problem``) is passed over with a warning. Raises CheckpointError
+    when every checkpoint is corrupt, rather than starting the run over."""
     found = sorted((Path(output_dir) / "checkpoints").glob("step_*/" + TRAINING_STATE))
-    return found[-1].parent if found else None
+    corrupt = []
+    for path in reversed([state.parent for state in found]):
+        problem = checksum_problem(path)
+        if problem is None:
+            return path
+        log.warning("%s is corrupt (%s): passed over for the checkpoint before it", path, problem)
+        corrupt.append(f"{path.name}: {problem}")
+    if corrupt:
+        raise CheckpointError(
+            f"{Path(output_dir) / 'checkpoints'}: every checkpoint is corrupt "
+            f"({'; '.join(corrupt)}); restore one from a copy, or delete them (or set "
+            "trainer.resume=never) to start over."
+        )
+    return None
 
 
 def check_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -202,8 +257,9 @@ def load_checkpoint(
     world: World,
 ) -> dict[str, int]:
     """Restore draft weights, optimizer, scheduler and RNG states on every rank; returns the
-    progress (``Trainer.progress()``). Raises CheckpointError naming a
-    bad checkpoint. The full state loads into any number of ranks."""
+    progress (``Trainer.progress()``). Raises CheckpointError naming a bad checkpoint. The
+    checksums were checked when the checkpoint was chosen (``newest_checkpoint``,
+    ``train.resume_from``). The full state loads into any number of ranks."""
     path = Path(checkpoint_dir)
     state = _read_state(path)
     try:

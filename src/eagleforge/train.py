@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.checkpoint import (
     TRAINING_STATE,
+    checksum_problem,
     load_draft_weights,
     newest_checkpoint,
     read_progress,
@@ -171,7 +172,8 @@ def init_from(draft: Eagle3Draft, path: Path, target_num_layers: int) -> None:
 
 
 def resume_from(resume: str, output_dir: Path) -> Path | None:
-    """The checkpoint that trainer.resume asks for (auto: the run's newest, if any)."""
+    """The checkpoint that trainer.resume asks for (auto: the run's newest intact one, if any),
+    its checksums verified."""
     if resume == "never":
         return None
     if resume == "auto":
@@ -181,6 +183,12 @@ def resume_from(resume: str, output_dir: Path) -> Path | None:
         raise ConfigError(
             f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
             "checkpoints/step_* directory, auto or never."
+        )
+    problem = checksum_problem(path)
+    if problem is not None:
+        raise ConfigError(
+            f"trainer.resume={resume}: {problem}, so the checkpoint is corrupt; give an earlier "
+            "checkpoints/step_* directory, or auto to resume from the newest intact one."
         )
     return path
 
@@ -338,17 +346,7 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     if trainer.profiler is not None:
         report_profile(trainer.profiler, world, tracker)
     if world.is_main:
-        summary = {
-            "step": result.step,
-            "checkpoint": str(result.checkpoint),
-            "initial_eval": result.initial_eval,
-            "final_eval": result.final_eval,
-            "tau_by_step": result.tau_by_step,
-            "best_checkpoint": str(result.best_checkpoint) if result.best_checkpoint else None,
-        }
-        summary_path = output_dir / "summary.json"
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-        tracker.log_artifact(summary_path)
+        tracker.log_artifact(write_summary(result, output_dir / "summary.json"))
         print_summary(result, tracker)
     tracker.close()
     return result
@@ -363,8 +361,35 @@ def report_profile(profiler: StepProfiler, world: World, tracker: Tracker) -> No
         print(f"\nTop operators (rank 0, {profiler.sort_key}):\n{profiler.table}", flush=True)
 
 
+def write_summary(result: TrainResult, path: Path) -> Path:
+    """``summary.json``: the run's end (paths as strings, or null). Re-running a finished run
+    keeps the summary that recorded its end; one killed before writing it gets one now."""
+    if result.already_complete and path.is_file():
+        try:
+            if json.loads(path.read_text()).get("step") == result.step:
+                return path
+        except ValueError:
+            pass  # unreadable: written anew
+    summary = {
+        "step": result.step,
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        "initial_eval": result.initial_eval,
+        "final_eval": result.final_eval,
+        "tau_by_step": result.tau_by_step,
+        "best_checkpoint": str(result.best_checkpoint) if result.best_checkpoint else None,
+    }
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
 def print_summary(result: TrainResult, tracker: object) -> None:
-    lines = [f"\nTrained {result.step} steps."]
+    if result.already_complete:
+        lines = [
+            f"\nThe run is already complete (step {result.step}); nothing to do. Set "
+            "trainer.max_num_steps higher to train on."
+        ]
+    else:
+        lines = [f"\nTrained {result.step} steps."]
     final, initial = result.final_eval, result.initial_eval
     if final:
         accs = sorted(
@@ -382,8 +407,10 @@ def print_summary(result: TrainResult, tracker: object) -> None:
     if result.tau_by_step:
         taus = ", ".join(f"step {k}: {v:.3f}" for k, v in result.tau_by_step.items())
         lines.append(f"real tau (speculative decoding): {taus}")
+    if result.best_checkpoint is not None:
         lines.append(f"best-tau checkpoint: {result.best_checkpoint}")
-    lines.append(f"checkpoint (SGLang draft dir): {result.checkpoint}")
+    if result.checkpoint is not None:
+        lines.append(f"checkpoint (SGLang draft dir): {result.checkpoint}")
     if isinstance(tracker, MLflowTracker):
         lines.append(f"browse the run: mlflow ui --backend-store-uri {tracker.tracking_uri}")
     print("\n".join(lines), flush=True)

@@ -6,7 +6,8 @@ backward per micro-batch with the loss normalised by that global count -- so the
 not depend on padding, on how the step is split into micro-batches, or on the number of
 ranks. Gradients are reduced once, after the step's last backward. Eval, checkpoints and
 metrics happen on the step boundaries configured; every rank takes part in them, rank 0 logs
-and writes.
+and writes. The last step's checkpoint is written after the final eval, so a run resumed at
+its last step has nothing left to do.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from eagleforge.checkpoint import load_checkpoint, save_checkpoint
+from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
     TTTBatch,
@@ -168,6 +169,7 @@ class TrainResult:
     tau_by_step: dict[int, float] = field(default_factory=dict)  # real τ measurements
     preempted_by: int | None = None  # the signal that stopped the run early
     best_checkpoint: Path | None = None  # the checkpoint with the best real τ
+    already_complete: bool = False  # resumed at its last step: nothing was done again
 
 
 class StopSignals:
@@ -242,6 +244,7 @@ class Trainer:
         self.world, self.device = world, world.device
         self.output_dir, self.config_yaml = output_dir, config_yaml
         self.step, self.epoch = 0, 0
+        self.resumed_from: Path | None = None
         # global batches of the epoch used before its loader started (resumed runs), and this
         # rank's batches drawn from the loader since
         self.epoch_start, self.batches_into_epoch = 0, 0
@@ -281,6 +284,7 @@ class Trainer:
             checkpoint, self.module, self.optimizer, self.scheduler, self.world
         )
         self.step, self.epoch = progress["step"], progress["epoch"]
+        self.resumed_from = checkpoint
         saved_shards = progress.get("data_shards", 1)
         # (checkpoints of one-process runs before data sharding counted that rank's batches)
         used = progress.get("global_batches_into_epoch", progress.get("batches_into_epoch", 0))
@@ -406,6 +410,22 @@ class Trainer:
         )
         return result
 
+    def _already_complete(self) -> TrainResult:
+        """Resumed at (or past) the last step: the run ended before; nothing is redone."""
+        best = self.output_dir / "checkpoints" / "best"
+        log.info(
+            "the run is already complete (step %d of %d); its last checkpoint is %s",
+            self.step,
+            self.max_num_steps,
+            self.resumed_from,
+        )
+        return TrainResult(
+            step=self.step,
+            checkpoint=self.resumed_from,
+            best_checkpoint=best if (best / TRAINING_STATE).is_file() else None,
+            already_complete=True,
+        )
+
     def train(self) -> TrainResult:
         with self.stop:
             try:
@@ -416,6 +436,8 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         cfg, result = self.cfg, TrainResult(step=self.step)
+        if self.resumed_from is not None and self.step >= self.max_num_steps:
+            return self._already_complete()
         self.module.train()
         if self.eval_loader is not None and cfg.eval_at_start and self.step == 0:
             result.initial_eval = self._eval_and_log(result)
@@ -462,13 +484,15 @@ class Trainer:
                 and self.step % cfg.eval_every_n_steps == 0
             ):
                 self._eval_and_log(result)
-            if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0:
+            last_step = self.step == self.max_num_steps  # saved below, after the final eval
+            if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0 and not last_step:
                 result.checkpoint = self.save()
             if self.tau_probe is not None and (
                 self.step % cfg.eval_tau_every_n_steps == 0 or self.step == self.max_num_steps
             ):
                 self._measure_tau(result)
-            if self.world.any(self.stop.signal is not None):  # all ranks stop together
+            # all ranks stop together; at the last step the run ends normally (eval, save)
+            if not last_step and self.world.any(self.stop.signal is not None):
                 self.stop.signal = self.stop.signal or signal.SIGTERM
                 bar.close()
                 return self._preempted(result)
@@ -477,7 +501,6 @@ class Trainer:
             cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0
         ):
             self._eval_and_log(result)
-        if not (cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0):
-            result.checkpoint = self.save()
+        result.checkpoint = self.save()
         result.step = self.step
         return result

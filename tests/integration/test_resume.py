@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -13,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagleforge.checkpoint import TRAINING_STATE
+from eagleforge.checkpoint import CHECKSUMS, TRAINING_STATE, read_progress
 from eagleforge.config import compose_config
 from eagleforge.errors import CheckpointError
 from eagleforge.train import run
+from eagleforge.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 
@@ -38,14 +40,17 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("packing", ["true", "false"])
 def test_resumed_run_is_bit_identical(tmp_path: Path, packing: str) -> None:
     full = run(compose_config(overrides(tmp_path, "full", f"data.packing={packing}")))
-    # the same run, stopped after its step-2 checkpoint (a torn step-4 save left behind)
+    # the same run, stopped after its step-2 checkpoint: a torn step-4 save left behind, and a
+    # step-4 checkpoint with one flipped bit in its weights (a disk or copy error)
     resumed_dir = tmp_path / "resumed" / "checkpoints"
     resumed_dir.mkdir(parents=True)
-    shutil.copytree(
-        tmp_path / "full" / "checkpoints" / "step_00000002", resumed_dir / "step_00000002"
-    )
-    (resumed_dir / ".tmp-step_00000004").mkdir()
-    (resumed_dir / ".tmp-step_00000004" / "model.safetensors").write_bytes(b"torn")
+    for step in ("step_00000002", "step_00000004"):
+        shutil.copytree(tmp_path / "full" / "checkpoints" / step, resumed_dir / step)
+    flipped = bytearray((resumed_dir / "step_00000004" / "model.safetensors").read_bytes())
+    flipped[-1] ^= 0x01
+    (resumed_dir / "step_00000004" / "model.safetensors").write_bytes(bytes(flipped))
+    (resumed_dir / ".tmp-step_00000006").mkdir()
+    (resumed_dir / ".tmp-step_00000006" / "model.safetensors").write_bytes(b"torn")
     resumed = run(compose_config(overrides(tmp_path, "resumed", f"data.packing={packing}")))
     assert resumed.step == full.step == 6
     assert resumed.train_losses == full.train_losses[2:]  # steps 3..6, bit for bit
@@ -64,6 +69,10 @@ def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
     )
     assert fresh.train_losses == first.train_losses  # started over, same seed
     (first.checkpoint / TRAINING_STATE).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"every checkpoint is corrupt \(step_00000002: "
+                       r"training_state.pt does not match its checksum"):  # fmt: skip
+        run(compose_config(overrides(tmp_path, "run", "trainer.max_num_steps=4")))
+    (first.checkpoint / CHECKSUMS).unlink()  # as saved by an older eagleforge: no checksums
     with pytest.raises(CheckpointError, match=r"step_00000002: unreadable checkpoint"):
         run(compose_config(overrides(tmp_path, "run", "trainer.max_num_steps=4")))
     from eagleforge.errors import ConfigError
@@ -178,3 +187,55 @@ def test_sigkill_at_any_point_then_resume_is_bit_identical(tmp_path: Path, kill_
     final_full, final_resumed = weights(full.checkpoint), weights(resumed.checkpoint)
     assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
     assert not list(checkpoints.glob(".tmp-*"))  # a torn save was cleaned up
+
+
+def test_rerunning_a_finished_run_does_nothing_and_names_its_checkpoint(tmp_path: Path) -> None:
+    args = overrides(tmp_path, "done", "trainer.max_num_steps=2")
+    first = run(compose_config(args))
+    summary_path = tmp_path / "done" / "summary.json"
+    summary = summary_path.read_text()
+    assert json.loads(summary)["checkpoint"] == str(first.checkpoint) and first.final_eval
+    done = subprocess.run(
+        [sys.executable, "-m", "eagleforge.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "already complete" in output and str(first.checkpoint) in output
+    assert "eval/" not in output and "train/loss" not in output  # no step, no eval again
+    assert "None" not in output
+    assert summary_path.read_text() == summary  # the finished run's record stays
+    assert sorted(p.name for p in first.checkpoint.parent.iterdir()) == ["step_00000002"]
+    # killed between its last save and writing the summary: the rerun writes one, evaluates
+    # nothing
+    summary_path.unlink()
+    again = run(compose_config(args))
+    assert again.already_complete and again.checkpoint == first.checkpoint
+    assert not again.final_eval and not again.train_losses
+    assert json.loads(summary_path.read_text())["checkpoint"] == str(first.checkpoint)
+
+
+def test_the_last_checkpoint_is_written_after_the_final_eval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_every_n_steps dividing the run's length: the last save still follows the final
+    eval, so a run killed after it has nothing left to do."""
+    calls: list[str] = []
+    real_save, real_evaluate = Trainer.save, Trainer.evaluate
+
+    def save(self: Trainer, name: str | None = None) -> Path:
+        calls.append(f"save {self.step}")
+        return real_save(self, name)
+
+    def evaluate(self: Trainer) -> dict[str, float]:
+        calls.append(f"eval {self.step}")
+        return real_evaluate(self)
+
+    monkeypatch.setattr(Trainer, "save", save)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    args = ("trainer.max_num_steps=2", "trainer.save_every_n_steps=1")
+    result = run(compose_config(overrides(tmp_path, "order", *args)))
+    assert calls == ["eval 0", "save 1", "eval 2", "save 2"]
+    assert result.checkpoint is not None and read_progress(result.checkpoint)["step"] == 2

@@ -1,0 +1,94 @@
+"""A checkpoint records the sha256 of its files when saved: a flipped byte is found before the
+run resumes from it. Resuming automatically skips it (with a warning) for the one before; a
+checkpoint given explicitly stops the run; checkpoints without checksums still load."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_drafts import tiny_draft
+
+from eagleforge.checkpoint import CHECKSUMS, newest_checkpoint, save_checkpoint
+from eagleforge.draft.model import AttentionBackend
+from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.parallel import ParallelDims
+from eagleforge.parallel.dist import World
+from eagleforge.parallel.fsdp import TTTModule
+from eagleforge.train import resume_from
+
+pytestmark = pytest.mark.unit
+
+
+def save_steps(output_dir: Path, *steps: int) -> list[Path]:
+    module = TTTModule(tiny_draft(), 2, AttentionBackend.eager)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    world = World(torch.device("cpu"), ParallelDims())
+    return [
+        save_checkpoint(
+            output_dir / "checkpoints" / f"step_{step:08d}",
+            module,
+            optimizer,
+            scheduler,
+            {"step": step},
+            "a: 1\n",
+            world,
+        )
+        for step in steps
+    ]
+
+
+def flip_last_byte(path: Path) -> None:
+    """One bit of the last tensor's data: the file still parses, a weight is off."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_auto_resume_skips_a_corrupt_checkpoint_for_the_one_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = save_steps(tmp_path, 2, 4)
+    assert newest_checkpoint(tmp_path) == second
+    flip_last_byte(second / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="eagleforge"):
+        assert newest_checkpoint(tmp_path) == first
+        assert resume_from("auto", tmp_path) == first
+    assert "step_00000004" in caplog.text and "model.safetensors" in caplog.text
+
+
+def test_explicit_resume_of_a_corrupt_checkpoint_is_a_config_error(tmp_path: Path) -> None:
+    (checkpoint,) = save_steps(tmp_path, 2)
+    assert resume_from(str(checkpoint), tmp_path) == checkpoint
+    flip_last_byte(checkpoint / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"trainer.resume=.*step_00000002: model.safetensors "
+                       r"does not match its checksum") as error:  # fmt: skip
+        resume_from(str(checkpoint), tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_every_checkpoint_corrupt_stops_instead_of_starting_over(tmp_path: Path) -> None:
+    (checkpoint,) = save_steps(tmp_path, 2)
+    flip_last_byte(checkpoint / "training_state.pt")
+    with pytest.raises(CheckpointError, match=r"step_00000002: training_state.pt does not match"):
+        newest_checkpoint(tmp_path)
+
+
+def test_a_missing_file_is_corruption(tmp_path: Path) -> None:
+    first, second = save_steps(tmp_path, 2, 4)
+    (second / "config.json").unlink()
+    assert newest_checkpoint(tmp_path) == first
+
+
+def test_checkpoints_without_checksums_load_unverified(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (checkpoint,) = save_steps(tmp_path, 2)
+    (checkpoint / CHECKSUMS).unlink()  # as written before checksums were recorded
+    with caplog.at_level(logging.INFO, logger="eagleforge"):
+        assert newest_checkpoint(tmp_path) == checkpoint
+        assert resume_from(str(checkpoint), tmp_path) == checkpoint
+    assert "unverified" in caplog.text
