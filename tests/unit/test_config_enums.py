@@ -24,7 +24,11 @@ def _enums() -> list[type[Enum]]:
     for info in pkgutil.walk_packages(eagleforge.__path__, "eagleforge."):
         module = importlib.import_module(info.name)
         for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, Enum) and value.__module__ == info.name:
+            if (
+                isinstance(value, type)
+                and issubclass(value, Enum)
+                and value.__module__ == info.name
+            ):
                 found[f"{value.__module__}.{value.__qualname__}"] = value
     return list(found.values())
 

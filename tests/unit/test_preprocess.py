@@ -466,6 +466,34 @@ def test_second_call_loads_from_cache(
     _run(_config(path, on_error=OnError.skip, num_proc=2), smollm2_tokenizer, cache)
 
 
+def test_a_lookup_removes_the_temporary_of_a_killed_write(
+    smollm2_tokenizer, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A write killed midway leaves its temporary directory; the next lookup (a cache hit
+    here) removes it, since its writer no longer runs."""
+    cfg = _config(_write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS))
+    _, _, entry = _run(cfg, smollm2_tokenizer, cache)
+    real_save = dataset_module._save
+
+    def killed(dataset, report, out: Path) -> None:  # type: ignore[no-untyped-def]
+        real_save(dataset, report, out)
+        os._exit(9)  # before the rename
+
+    monkeypatch.setattr(dataset_module, "_save", killed)
+    pid = os.fork()
+    if pid == 0:  # the writer: another entry of the same cache (a longer max_length)
+        try:
+            _run(_config(cfg.path, max_length=MAX_LENGTH + 1), smollm2_tokenizer, cache)
+        finally:
+            os._exit(0)  # never back into pytest
+    assert os.waitpid(pid, 0)[1] >> 8 == 9
+    left = [p for p in entry.parent.iterdir() if p.name.startswith(".")]
+    assert len(left) == 1 and (left[0] / "report.json").is_file()
+    _forbid_preprocessing(monkeypatch)
+    _run(cfg, smollm2_tokenizer, cache)
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+
+
 def test_editing_the_file_rebuilds(
     smollm2_tokenizer, tmp_path: Path, cache: Path, reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]

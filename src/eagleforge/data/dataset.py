@@ -3,7 +3,8 @@
 Preprocessed data is cached under ``<cache_dir>/data/<key>`` where the key hashes the *content*
 of every input file, the tokenizer and chat template, and every option that changes the result:
 editing a file rebuilds it even when its path is unchanged, and nothing else does. Entries are
-written to a temporary directory and renamed, so a crash never leaves one that later loads.
+written to a temporary directory and renamed, so a crash never leaves one that later loads; the
+temporary directory of a killed write is removed by a later lookup (``eagleforge.tempdirs``).
 
 Conversations with images (``data.is_vlm``) bypass that cache on purpose: their token counts
 depend on image files the key does not hash, so they are preprocessed in every run (only
@@ -18,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -50,6 +50,7 @@ from eagleforge.data.template import (
     tokenize_rendered,
 )
 from eagleforge.errors import ConfigError, DataError
+from eagleforge.tempdirs import remove_stale_temps, writer_temp_dir
 
 if TYPE_CHECKING:
     from eagleforge.target.source import VisionProcessor
@@ -441,12 +442,12 @@ def write_atomically(final: Path, write: Callable[[Path], None], complete_marker
     """``write(tmp_dir)`` then rename it to ``final``; concurrent writers leave one complete entry.
 
     An existing ``final`` without ``complete_marker`` (left half-written by something else) is
-    replaced.
+    replaced; temporary directories that killed writers left beside it are removed.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists() and not (final / complete_marker).exists():
         shutil.rmtree(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = writer_temp_dir(final)
     try:
         write(tmp)
         tmp.chmod(0o755)
@@ -516,6 +517,7 @@ def preprocess_source(
         key_parts["processor_template"] = processor.chat_template if processor else None
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(cache_dir) / "data" / key
+    remove_stale_temps(entry.parent)  # left by writes that were killed
     if vision is None and (entry / "report.json").exists():
         return (*_load(entry), entry)
     settings = _Settings(
