@@ -5,7 +5,8 @@
     python -m eagleforge.regenerate +model=smollm2 data=chitchat regenerate.backend=hf \
         regenerate.output=regen.jsonl
 
-Resumable: the same command after a kill continues where it stopped (see
+Resumable: the same command after a kill continues where it stopped, under any
+``regenerate.chunk_rows``; a change to the data, model or sampling is refused (see
 ``eagleforge.data.regenerate``).
 """
 

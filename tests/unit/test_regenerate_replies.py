@@ -62,8 +62,10 @@ class ScriptedModel:
         return torch.cat([input_ids, new], dim=1)
 
 
-def hf_backend(tokenizer: Any, cfg: RegenerateConfig, texts: list[str]) -> HFBackend:
-    tokenizer.padding_side = "left"
+def hf_backend(
+    tokenizer: Any, cfg: RegenerateConfig, texts: list[str], monkeypatch: pytest.MonkeyPatch
+) -> HFBackend:
+    monkeypatch.setattr(tokenizer, "padding_side", "left")  # as from_config sets it
     return HFBackend(cfg, ScriptedModel(tokenizer, texts), tokenizer, torch.device("cpu"), "m")
 
 
@@ -90,10 +92,12 @@ def server_backend(
     return ServerBackend(RegenerateConfig(**{**cfg.__dict__, "model": "m"})), bodies
 
 
-def test_hf_reply_cut_inside_a_character_has_no_replacement_char(smollm2_tokenizer: Any) -> None:
+def test_hf_reply_cut_inside_a_character_has_no_replacement_char(
+    smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     n = cut_inside_a_character(smollm2_tokenizer, FIRST)
     cfg = RegenerateConfig(max_new_tokens=n)
-    backend = hf_backend(smollm2_tokenizer, cfg, [FIRST, SECOND])
+    backend = hf_backend(smollm2_tokenizer, cfg, [FIRST, SECOND], monkeypatch)
     out, _ = regenerate_rows([Row(0, "a", CONVERSATION)], backend, cfg)
     first = out[0]["messages"][1]["content"]
     assert "\ufffd" not in first and first and FIRST.startswith(first)
@@ -120,7 +124,7 @@ def test_hf_and_server_backends_give_the_same_rows(
 ) -> None:
     n = cut_inside_a_character(smollm2_tokenizer, FIRST) if cut else 64
     cfg = RegenerateConfig(max_new_tokens=n)
-    hf = hf_backend(smollm2_tokenizer, cfg, [FIRST, SECOND])
+    hf = hf_backend(smollm2_tokenizer, cfg, [FIRST, SECOND], monkeypatch)
     server, _ = server_backend(smollm2_tokenizer, cfg, [FIRST, SECOND], monkeypatch)
     rows = [Row(0, "a", CONVERSATION)]
     out, failures = regenerate_rows(rows, server, cfg)

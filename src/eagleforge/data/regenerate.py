@@ -510,7 +510,7 @@ def check_same_settings(
         f"remove {chunks_dir} to start over."
     )
     for name, value in settings.items():
-        old = recorded.get(name)
+        old: Any = recorded.get(name)
         if value is None or value == old:
             continue
         if name == "source":  # the same conversations, wherever the files are now
@@ -519,9 +519,9 @@ def check_same_settings(
             if value["max_rows"] != old["max_rows"]:
                 raise ConfigError(
                     f"regenerate.max_rows={_show(value['max_rows'])} (or data.max_num_samples) "
-                    f"but the chunks in {chunks_dir} were made from the first "
-                    f"{_show(old['max_rows'])} conversations: rerun with that limit to resume, "
-                    + redo
+                    f"but the chunks in {chunks_dir} were made from "
+                    f"{'all' if old['max_rows'] is None else 'the first ' + str(old['max_rows'])} "
+                    "conversations: rerun with that limit to resume, " + redo
                 )
             raise ConfigError(
                 f"data.path={','.join(value['files']) or value['format']} gives other "
