@@ -23,6 +23,7 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import load_draft_weights
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
@@ -30,6 +31,7 @@ from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import load_checked_draft, read_sglang_architecture
 from eagleforge.parallel import resolve_device
+from eagleforge.preflight import check_inputs
 from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import PromptRenderer, load_prompts
 from eagleforge.speculative.report import (
@@ -106,6 +108,9 @@ def evaluate_draft(
     prompts = load_prompts(cfg.prompts, cfg.multi_turn, cfg.max_prompts, config.data.is_vlm)
     tokenizer = renderer.tokenizer
     records: list[TurnRecord] = []
+    # a CPU evaluation runs for minutes: show prompts done and the speculative tokens/s
+    bar = tqdm(total=len(prompts), desc=f"evaluate {Path(name).name}", unit="prompt")
+    new_tokens, seconds = 0, 0.0
     for index, item in enumerate(prompts):
         messages: list[dict[str, Any]] = []
         for turn in range(len(item.turns)):
@@ -121,6 +126,11 @@ def evaluate_draft(
             records.append(TurnRecord(item.id, turn, len(prompt_ids), speculative, baseline))
             answer = tokenizer.decode(speculative.output_ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
+            new_tokens += len(speculative.output_ids)
+            seconds += speculative.seconds
+        bar.set_postfix(tok_s=f"{new_tokens / max(seconds, 1e-9):.1f}", refresh=False)
+        bar.update()
+    bar.close()
     summary = summarise(name, records, cfg.num_draft_tokens, greedy=cfg.temperature == 0)
     return summary, records
 
@@ -132,6 +142,7 @@ def run(cfg: DictConfig) -> list[Summary]:
     device = resolve_device(config.parallel)
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)
+    check_inputs(config, data=False, prompts=True)
     arch = read_sglang_architecture(drafts[0][1])
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data

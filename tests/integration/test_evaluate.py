@@ -5,6 +5,7 @@ files and MLflow logging."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -114,9 +115,11 @@ def test_sampled_output_follows_the_targets_distribution(topk: int, total: int) 
         assert chi2 < 35.0, (position, chi2, counts[position] / runs, expected)
 
 
-def test_evaluate_entry_point_writes_and_logs(tmp_path: Path) -> None:
+def test_evaluate_entry_point_writes_and_logs(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Train two checkpoints briefly, evaluate the directory: a table per draft, files, and
-    MLflow metrics and plots; greedy outputs equal the target's."""
+    MLflow metrics and plots; greedy outputs equal the target's; a progress bar per draft."""
     import mlflow
 
     from eagleforge.evaluate import run as evaluate
@@ -158,6 +161,9 @@ def test_evaluate_entry_point_writes_and_logs(tmp_path: Path) -> None:
         )
     )
     assert [Path(s.draft).name for s in summaries] == ["step_00000002", "step_00000004"]
+    progress = capfd.readouterr().err
+    for step in ("step_00000002", "step_00000004"):
+        assert re.search(rf"evaluate {step}: 100%.*2/2 .*tok_s=\d", progress), progress
     for summary in summaries:
         assert summary.greedy_matches_target is True
         assert summary.tau >= 1.0 and len(summary.acceptance_by_position) == 3
