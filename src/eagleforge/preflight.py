@@ -22,15 +22,17 @@ from eagleforge.target.source import check_model_path
 def check_inputs(
     config: EagleForgeConfig,
     *,
+    model: bool = True,
     data: bool = True,
     need_weights: bool = True,
     prompts: bool = False,
 ) -> None:
-    """ConfigError/DataError naming the first missing input of this command: the target model,
-    the training data (``data``: online data files, or the feature store of data.features),
+    """ConfigError/DataError naming the first missing input of this command: the target model
+    (``model``: the command loads it), the training data (``data``: online data files, or the feature store of data.features),
     the prompts (``prompts``, or when training measures real τ), model.draft_init and an
     explicit trainer.resume."""
-    check_model_path(config.model, need_weights=need_weights)
+    if model:
+        check_model_path(config.model, need_weights=need_weights)
     if data:
         if config.data.features:
             check_feature_store(config.data.features)

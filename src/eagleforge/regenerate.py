@@ -18,14 +18,17 @@ import hydra
 from omegaconf import DictConfig
 
 from eagleforge.config import conf_dir, register_configs, to_typed
-from eagleforge.data.regenerate import run
+from eagleforge.data.regenerate import Backend, run
 from eagleforge.errors import exit_on_user_error
+from eagleforge.preflight import check_inputs
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
     config = to_typed(cfg)
+    # the server backend only talks to a server; the hf backend loads the target here
+    check_inputs(config, model=config.regenerate.backend == Backend.hf)
     summary = run(config)
     print(
         f"{summary.written} conversations written to {config.regenerate.output} "

@@ -117,3 +117,20 @@ def test_entry_point_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         "error: model.path=/nonexistent/dir: no such directory (and not a hub id); check the path."
     ]
+
+
+def test_regenerate_checks_the_model_only_for_the_hf_backend(tmp_path: Path) -> None:
+    def regenerate(*overrides: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "eagleforge.regenerate", "+model=llama3",
+             "model.path=/nonexistent/dir", "data=jsonl", f"regenerate.output={tmp_path}/o.jsonl",
+             *overrides],
+            capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+        )  # fmt: skip
+
+    result = regenerate("regenerate.backend=hf", f"data.path={tmp_path}/in.jsonl")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: model.path=/nonexistent/dir: no such directory")
+    result = regenerate("regenerate.backend=server", f"data.path={tmp_path}/in.jsonl")
+    assert result.returncode == 2  # no model needed: the data file is the missing input
+    assert "in.jsonl does not exist" in result.stderr.strip().splitlines()[0]
