@@ -27,11 +27,13 @@ from eagleforge.data.inspection import (
     report_lines,
 )
 from eagleforge.errors import exit_on_user_error
+from eagleforge.preflight import check_inputs
 from eagleforge.target.source import load_tokenizer, resolve_model_dir
 
 
 def inspect(cfg: DictConfig) -> None:
     config = to_typed(cfg)
+    check_inputs(config, need_weights=False)
     cache_dir = config.resolved_cache_dir()
     tokenizer = load_tokenizer(config.model, resolve_model_dir(config.model, cache_dir))
     data = config.data

@@ -35,6 +35,7 @@ from eagleforge.data.features import (
 )
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
+from eagleforge.preflight import check_inputs
 from eagleforge.target import TargetBackend, build_target
 from eagleforge.target.source import (
     VisionProcessor,
@@ -159,6 +160,7 @@ def run(config: EagleForgeConfig) -> Path:
         raise ConfigError(
             "prepare.output_dir is not set: give the directory for the feature store."
         )
+    check_inputs(config)
     out = Path(cfg.output_dir)
     # under torchrun each rank captures on its own GPU (a target backend each, no process group)
     device = resolve_device(config.parallel, int(os.environ.get("LOCAL_RANK", 0)))

@@ -48,6 +48,7 @@ from eagleforge.parallel.fsdp import TTTModule, shard_draft
 from eagleforge.parallel.launch import is_main_process
 from eagleforge.parallel.tp import tp_axis
 from eagleforge.parallel.usp import SequenceParallel, check_heads, shard_sequence
+from eagleforge.preflight import check_inputs
 from eagleforge.prepare import expected_manifest
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.probe import TauProbe
@@ -199,6 +200,7 @@ def run(cfg: DictConfig) -> TrainResult:
     Under torchrun/SLURM every rank runs this; the process group lives as long as the run.
     """
     config: EagleForgeConfig = to_typed(cfg)
+    check_inputs(config)
     with distributed(config.parallel) as world:
         if not world.is_main:  # one rank reports
             logging.getLogger("eagleforge").setLevel(logging.WARNING)
