@@ -6,22 +6,38 @@ needed; ``tracker.tracking_uri`` or ``MLFLOW_TRACKING_URI`` points at a shared s
 (``make mlflow-server``). Only rank 0 builds a real tracker. Inside a Hydra job the run is
 tagged with the job's command-line overrides (``override/<key>``), and in a sweep with the
 sweep directory and job number, so the runs of one sweep can be filtered and compared.
+
+MLflow logging never stalls training: a background thread sends what is logged, and what it
+cannot send (server down or hung) is spooled in ``<run dir>/mlflow_spool/<run id>/`` and sent
+when the server answers again, or later with::
+
+    python -m eagleforge.tracking sync <run dir>
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
+import queue
+import shutil
 import signal
-import sys
+import threading
+import time
+import uuid
+from collections import Counter
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from eagleforge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +59,15 @@ class TrackerConfig:
     experiment: str = "eagleforge"
     # Run name; null = <model>-<data>-<time of the run dir> (in a sweep, also the job number).
     run_name: str | None = None
+    # Seconds the end of a run waits for unsent metrics to reach MLflow before it spools them
+    # to <run dir>/mlflow_spool (python -m eagleforge.tracking sync sends them later).
+    close_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.close_timeout_s < 0:
+            raise ConfigError(
+                f"tracker.close_timeout_s must be >= 0 seconds, got {self.close_timeout_s}."
+            )
 
 
 class Tracker(Protocol):
@@ -53,6 +78,21 @@ class Tracker(Protocol):
     def log_artifact(self, path: str | Path) -> None: ...
 
     def close(self) -> None: ...
+
+
+def metrics_line(metrics: Mapping[str, float], step: int) -> str:
+    """The line every tracker writes to the log (console and <run dir>/train.log)."""
+    return f"step {step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+def param_text(value: Any) -> str:
+    """A config value as a user types it: an Enum by its value (``random``, not
+    ``ModelSource.random``), so that runs can be filtered by it."""
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, list | tuple):
+        return str([value_.value if isinstance(value_, Enum) else value_ for value_ in value])
+    return str(value)
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -74,8 +114,7 @@ class ConsoleTracker:
         log.debug("config:\n%s", config_yaml)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-        log.info("step %d %s", step, text)
+        log.info("%s", metrics_line(metrics, step))
 
     def log_artifact(self, path: str | Path) -> None:
         log.info("artifact %s", path)
@@ -104,8 +143,203 @@ def _store_setup_lock(tracking_uri: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+# How long the sender waits after a failed request before it tries the server again; meanwhile
+# what is logged goes straight to the spool.
+RETRY_AFTER_S = 30.0
+# Logging calls that wait in memory for the sender; beyond that they are spooled to disk.
+QUEUE_SIZE = 1000
+
+
+def _client(tracking_uri: str) -> Any:
+    """An MlflowClient whose HTTP requests give up in seconds: mlflow's defaults (7 retries
+    with backoff, 120 s timeout) would keep the sender on one request for many minutes."""
+    from mlflow import MlflowClient
+
+    if tracking_uri.startswith("http"):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _rejected(error: Exception) -> bool:
+    """True when the server answered and refused the entry (a 4xx: a param logged twice with
+    two values, a bad name): sending it again would never succeed."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(error, MlflowException):
+        return False
+    status = error.get_http_status_code()
+    return 400 <= status < 500 and status != 429
+
+
+def send_entry(client: Any, run_id: str, entry: Mapping[str, Any], base: Path) -> None:
+    """One logging call, as the tracker queues and spools it. Relative artifact paths are
+    under ``base`` (the spool directory)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    kind = entry["kind"]
+    if kind == "metrics":
+        metrics = [
+            Metric(key, value, entry["timestamp"], entry["step"])
+            for key, value in entry["metrics"].items()
+        ]
+        client.log_batch(run_id, metrics=metrics)
+    elif kind == "params":
+        client.log_batch(run_id, params=[Param(k, v) for k, v in entry["params"].items()])
+    elif kind == "tags":
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in entry["tags"].items()])
+    elif kind == "text":
+        client.log_text(run_id, entry["text"], entry["name"])
+    elif kind == "artifact":
+        path = base / entry["path"]  # an absolute path stays as it is
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), artifact_path=entry["artifact_path"])
+        else:
+            client.log_artifact(run_id, str(path), artifact_path=entry["artifact_path"])
+    elif kind == "end":
+        client.set_terminated(run_id, entry["status"])
+    else:
+        raise ValueError(f"unknown tracker entry kind {kind!r}")
+
+
+class Spool:
+    """What a tracker could not send to its MLflow run, on disk until it can be:
+    ``<spool root>/<run id>/run.json`` (which run, on which server), ``entries.jsonl`` (one
+    logging call a line, in order, with its original timestamp) and ``files/`` (copies of the
+    artifacts as they were when logged). Changes are made under an flock, so the training
+    process and ``python -m eagleforge.tracking sync`` can both append and replay; replaying
+    twice is harmless (MLflow drops a metric point it already has)."""
+
+    def __init__(self, directory: Path, run: Mapping[str, str]) -> None:
+        self.dir = directory
+        self.run = dict(run)
+
+    @classmethod
+    def open(cls, directory: Path) -> Spool:
+        return cls(directory, json.loads((directory / "run.json").read_text()))
+
+    @contextmanager
+    def _locked(self, name: str = "lock", *, wait: bool = True) -> Iterator[bool]:
+        """An flock on ``<dir>/<name>``: ``lock`` around each change of entries.jsonl,
+        ``replay.lock`` around a replay (one sender at a time). Yields False when ``wait`` is
+        off and someone else holds it."""
+        import fcntl
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / name, "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def entries(self) -> list[dict[str, Any]]:
+        path = self.dir / "entries.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def counts(self) -> Counter[str]:
+        return Counter(entry["kind"] for entry in self.entries())
+
+    def append(self, entries: list[dict[str, Any]]) -> None:
+        """Adds entries (texts and artifacts are copied under files/)."""
+        if not entries:
+            return
+        with self._locked():
+            if not (self.dir / "run.json").exists():
+                (self.dir / "run.json").write_text(json.dumps(self.run, indent=2) + "\n")
+            lines = [json.dumps(self._stored(entry)) + "\n" for entry in entries]
+            with open(self.dir / "entries.jsonl", "a") as out:
+                out.writelines(lines)
+
+    def _stored(self, entry: dict[str, Any]) -> dict[str, Any]:
+        if entry["kind"] not in ("text", "artifact"):
+            return entry
+        where = Path("files") / uuid.uuid4().hex
+        (self.dir / where).mkdir(parents=True)
+        if entry["kind"] == "text":
+            (self.dir / where / entry["name"]).write_text(entry["text"])
+            return {"kind": "artifact", "path": str(where / entry["name"]), "artifact_path": None}
+        source = Path(entry["path"])
+        if source.is_dir():
+            shutil.copytree(source, self.dir / where / source.name)
+        else:
+            shutil.copy2(source, self.dir / where / source.name)
+        return {**entry, "path": str(where / source.name)}
+
+    def replay(self, client: Any) -> int:
+        """Sends the entries in order, the run's end status (the last one spooled) after all
+        others, and removes what was sent; the directory goes when nothing is left. Raises
+        what the client raised when the server cannot be reached (what was sent before is
+        removed all the same); an entry the server refuses is dropped with a warning. Returns
+        the number of entries sent, or -1 when another process is replaying this spool."""
+        with self._locked("replay.lock", wait=False) as mine:
+            if not mine:
+                return -1
+            with self._locked():
+                entries = self.entries()
+            done: set[int] = set()
+            ends = [i for i, entry in enumerate(entries) if entry["kind"] == "end"]
+            order = [i for i in range(len(entries)) if i not in ends] + ends[-1:]
+            try:
+                for i in order:
+                    try:
+                        send_entry(client, self.run["run_id"], entries[i], self.dir)
+                    except Exception as e:
+                        if not _rejected(e):
+                            raise
+                        log.warning("MLflow refused %s (%s); it is dropped", entries[i], e)
+                    done.add(i)
+                done.update(ends)  # the last end status is the one that counts
+            finally:
+                self._remove(entries, done)
+            return len(done)
+
+    def _remove(self, read: list[dict[str, Any]], done: set[int]) -> None:
+        with self._locked():
+            now = self.entries()  # what was read, then what was appended since
+            left = [e for i, e in enumerate(now[: len(read)]) if i not in done]
+            left += now[len(read) :]
+            for i in done:
+                if read[i]["kind"] == "artifact" and not Path(read[i]["path"]).is_absolute():
+                    shutil.rmtree(self.dir / Path(read[i]["path"]).parent, ignore_errors=True)
+            if left:
+                text = "".join(json.dumps(entry) + "\n" for entry in left)
+                (self.dir / "entries.tmp").write_text(text)
+                os.replace(self.dir / "entries.tmp", self.dir / "entries.jsonl")
+                return
+            shutil.rmtree(self.dir, ignore_errors=True)
+        with suppress(OSError):  # the spool root, when this was its last spool
+            self.dir.parent.rmdir()
+
+    def describe(self) -> str:
+        """'<n> metric batches and <m> artifacts' (with params, tags and end status, if any)."""
+        counts = self.counts()
+        text = f"{counts['metrics']} metric batches and {counts['artifact']} artifacts"
+        others = [kind for kind in ("params", "tags", "end") if counts[kind]]
+        return text + (f" (and the run's {', '.join(others)})" if others else "")
+
+
+def sync_hint(directory: Path) -> str:
+    return f"python -m eagleforge.tracking sync {directory}"
+
+
 class MLflowTracker:
-    """An MLflow run: params, slash-scoped metrics with steps, artifacts."""
+    """An MLflow run: params, slash-scoped metrics with steps, artifacts.
+
+    Logging never waits for the server: calls are queued and a background thread sends them.
+    What cannot be sent (server down or hung, queue full) goes to a ``Spool`` under
+    ``spool_root``; the sender replays it when the server answers again, ``close`` waits at
+    most ``close_timeout_s`` and spools the rest, and ``python -m eagleforge.tracking sync``
+    sends what is left, ending the run with its status."""
+
+    # The tracker this process built last: record_failure and record_stop mark its run.
+    last: ClassVar[MLflowTracker | None] = None
 
     def __init__(
         self,
@@ -114,111 +348,242 @@ class MLflowTracker:
         run_name: str,
         artifact_root: Path,
         tags: Mapping[str, str] | None = None,
+        *,
+        spool_root: Path | None = None,
+        close_timeout_s: float = 5.0,
+        queue_size: int = QUEUE_SIZE,
     ) -> None:
         import mlflow
 
         self.mlflow = mlflow
-        self._pending: list[tuple[dict[str, float], int]] = []
-        self._pending_artifacts: list[Path] = []
-        self._warned = False
-        if tracking_uri.startswith("http"):
-            # fail fast instead of mlflow's default of minutes of retries per call
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         active = mlflow.active_run()
         # Inside a run someone else started (a notebook, a sweep driver): log into it.
         self.owns_run = active is None
         if active is not None:
             self.tracking_uri = mlflow.get_tracking_uri()
-            self.run, self.run_id = active, active.info.run_id
-            return
-        self.tracking_uri = tracking_uri
-        previous = os.environ.get("MLFLOW_TRACKING_URI")
-        mlflow.set_tracking_uri(tracking_uri)
-        # mlflow also exports the URI to the environment, where the next run built in this
-        # process (a sweep, a notebook) would mistake it for the user's MLFLOW_TRACKING_URI.
-        if previous is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
+            self.client = _client(self.tracking_uri)
+            self.run_id = active.info.run_id
         else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous
-        with _store_setup_lock(tracking_uri):
-            client = mlflow.MlflowClient()
-            found = client.get_experiment_by_name(experiment)
+            self.tracking_uri = tracking_uri
+            self.run_id = self._start_run(experiment, run_name, artifact_root, tags)
+        self.spool = Spool(
+            (spool_root or artifact_root.parent / "mlflow_spool") / self.run_id,
+            {"tracking_uri": self.tracking_uri, "run_id": self.run_id},
+        )
+        self.close_timeout_s = close_timeout_s
+        self.closed = False
+        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
+        self._closing = threading.Event()
+        self._state = threading.Lock()  # guards _in_flight and _abandoned
+        self._in_flight: dict[str, Any] | None = None
+        self._abandoned = False  # close stopped waiting: the sender must not touch the spool
+        self._down = False
+        self._warned = False
+        self._last_attempt = 0.0
+        self._sender = threading.Thread(target=self._send_all, name="mlflow-sender", daemon=True)
+        self._sender.start()
+        MLflowTracker.last = self
+
+    def _start_run(
+        self,
+        experiment: str,
+        run_name: str,
+        artifact_root: Path,
+        tags: Mapping[str, str] | None,
+    ) -> str:
+        # Through a client, not mlflow.start_run: the fluent API's active run belongs to the
+        # thread that started it, and ending it would wait for the server.
+        from mlflow.tracking.context.registry import resolve_tags
+
+        with _store_setup_lock(self.tracking_uri):
+            self.client = _client(self.tracking_uri)
+            found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 # A sqlite store would otherwise put artifacts in ./mlruns of whatever the cwd is.
                 location = (
-                    artifact_root.resolve().as_uri() if tracking_uri.startswith("sqlite") else None
+                    artifact_root.resolve().as_uri()
+                    if self.tracking_uri.startswith("sqlite")
+                    else None
                 )
-                experiment_id = client.create_experiment(experiment, artifact_location=location)
+                experiment_id = self.client.create_experiment(
+                    experiment, artifact_location=location
+                )
             else:
                 experiment_id = found.experiment_id
-        self.run = mlflow.start_run(
-            experiment_id=experiment_id, run_name=run_name, tags=dict(tags or {})
+        run = self.client.create_run(
+            experiment_id, run_name=run_name, tags=resolve_tags(dict(tags or {}))
         )
-        self.run_id = self.run.info.run_id
+        return str(run.info.run_id)
 
     def log_config(self, params: Mapping[str, Any], config_yaml: str) -> None:
         # MLflow caps param values at 6000 characters and a batch at 100 params.
-        items = [(k, str(v)[:6000]) for k, v in params.items()]
+        items = [(k, param_text(v)[:6000]) for k, v in params.items()]
         for start in range(0, len(items), 100):
-            self.mlflow.log_params(dict(items[start : start + 100]))
-        self.mlflow.log_text(config_yaml, "config.yaml")
-
-    # Once the run exists, an unreachable tracking server must not stop training: what cannot
-    # be sent is kept and sent with the next call that gets through (or at close).
+            self._put({"kind": "params", "params": dict(items[start : start + 100])})
+        self._put({"kind": "text", "text": config_yaml, "name": "config.yaml"})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self._pending.append(({k: float(v) for k, v in metrics.items()}, step))
-        self._flush()
+        values = {k: float(v) for k, v in metrics.items()}
+        log.info("%s", metrics_line(values, step))
+        timestamp = int(time.time() * 1000)
+        self._put({"kind": "metrics", "step": step, "timestamp": timestamp, "metrics": values})
 
     def log_artifact(self, path: str | Path) -> None:
-        self._pending_artifacts.append(Path(path))
-        self._flush()
+        path = Path(path).resolve()
+        self._put(
+            {
+                "kind": "artifact",
+                "path": str(path),
+                "artifact_path": path.name if path.is_dir() else None,
+            }
+        )
 
-    def _flush(self) -> None:
-        try:
-            while self._pending:
-                metrics, step = self._pending[0]
-                self.mlflow.log_metrics(metrics, step=step)
-                self._pending.pop(0)
-            while self._pending_artifacts:
-                path = self._pending_artifacts[0]
-                if path.is_dir():
-                    self.mlflow.log_artifacts(str(path), artifact_path=path.name)
-                else:
-                    self.mlflow.log_artifact(str(path))
-                self._pending_artifacts.pop(0)
-        except Exception as e:  # mlflow raises many types when its server is down
-            if not self._warned:
-                log.warning(
-                    "MLflow at %s is unreachable (%s: %s); training goes on, and the %d "
-                    "pending metric batches are sent when it is back.",
-                    self.tracking_uri,
-                    type(e).__name__,
-                    e,
-                    len(self._pending),
-                )
-                self._warned = True
+    def close(self, status: str = "FINISHED", tags: Mapping[str, str] | None = None) -> None:
+        """Ends the run with ``status`` (and ``tags``), waiting at most close_timeout_s for
+        the sender; what it has not sent by then is spooled, with one warning that says how
+        to send it."""
+        if self.closed:
             return
-        if self._warned:
-            log.warning("MLflow at %s is reachable again; pending metrics sent.", self.tracking_uri)
-            self._warned = False
-
-    def close(self) -> None:
-        self._flush()
-        if self._pending or self._pending_artifacts:
-            log.warning(
-                "MLflow at %s is still unreachable: %d metric batches and %d artifacts were not "
-                "logged (the run directory holds summary.json and the checkpoints).",
-                self.tracking_uri,
-                len(self._pending),
-                len(self._pending_artifacts),
-            )
+        self.closed = True
+        if tags:
+            self._put({"kind": "tags", "tags": dict(tags)}, closing=True)
         if self.owns_run:
+            self._put({"kind": "end", "status": status}, closing=True)
+        self._closing.set()
+        self._sender.join(self.close_timeout_s)
+        if self._sender.is_alive():
+            with self._state:
+                self._abandoned = True
+                left = [self._in_flight] if self._in_flight is not None else []
+                while not self._queue.empty():
+                    left.append(self._queue.get_nowait())
+                self.spool.append(left)
+        self._report_spool()
+
+    def amend(self, tags: Mapping[str, str], status: str) -> None:
+        """After close: adds ``tags`` and sets the run's ``status`` now, or spools them when
+        the run's own entries are spooled or the server cannot be reached."""
+        entries: list[dict[str, Any]] = [
+            {"kind": "tags", "tags": dict(tags)},
+            {"kind": "end", "status": status},
+        ]
+        if not self.spool.entries():
             try:
-                self.mlflow.end_run()
-            except Exception as e:  # the server may still be down
-                log.warning("could not end the MLflow run (%s)", e)
+                for entry in entries:
+                    send_entry(self.client, self.run_id, entry, self.spool.dir)
+                return
+            except Exception as e:
+                log.warning("MLflow at %s is unreachable (%s)", self.tracking_uri, e)
+        self.spool.append(entries)
+        self._report_spool()
+
+    def _report_spool(self) -> None:
+        if self.spool.entries():
+            log.warning(
+                "MLflow at %s was unreachable: %s are spooled in %s; send them with: %s",
+                self.tracking_uri,
+                self.spool.describe(),
+                self.spool.dir,
+                sync_hint(self.spool.dir),
+            )
+
+    def _put(self, entry: dict[str, Any], *, closing: bool = False) -> None:
+        if self.closed and not closing:
+            log.warning("tracker already closed: %s is spooled", entry["kind"])
+            self.spool.append([entry])
+            return
+        try:
+            self._queue.put_nowait(entry)
+        except queue.Full:  # the sender is stuck on the server: spool rather than wait
+            self.spool.append([entry])
+            self._warn_down("the server does not keep up")
+
+    # The sender thread: the only one that talks to the server while the run is open.
+
+    def _send_all(self) -> None:
+        self._sync_earlier_spools()
+        while not self._abandoned:
+            try:
+                entry = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._closing.is_set():
+                    break
+                continue
+            with self._state:
+                self._in_flight = entry
+            try:
+                retry_due = time.monotonic() - self._last_attempt >= RETRY_AFTER_S
+                if self._down and (self._closing.is_set() or not retry_due):
+                    self._spool_from_sender(entry)
+                else:
+                    self._attempt(entry)
+            finally:
+                with self._state:
+                    self._in_flight = None
+        if not self._abandoned and self.spool.entries():
+            self._replay()  # the last try, at close
+
+    def _attempt(self, entry: dict[str, Any]) -> None:
+        self._last_attempt = time.monotonic()
+        try:
+            send_entry(self.client, self.run_id, entry, self.spool.dir)
+        except Exception as e:
+            if _rejected(e):
+                log.warning("MLflow refused %s (%s); it is dropped", entry["kind"], e)
+                return
+            self._spool_from_sender(entry)
+            self._warn_down(f"{type(e).__name__}: {e}")
+            return
+        if self.spool.entries():
+            self._replay()
+        elif self._down:
+            self._back()
+
+    def _replay(self) -> None:
+        self._last_attempt = time.monotonic()
+        try:
+            self.spool.replay(self.client)
+        except Exception as e:
+            self._warn_down(f"{type(e).__name__}: {e}")
+            return
+        if self._down:
+            self._back()
+
+    def _spool_from_sender(self, entry: dict[str, Any]) -> None:
+        with self._state:
+            if not self._abandoned:  # else close has spooled it
+                self.spool.append([entry])
+
+    def _warn_down(self, why: str) -> None:
+        self._down = True
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "MLflow at %s is unreachable (%s); training goes on, and what is logged is "
+                "kept in %s and sent when it is back.",
+                self.tracking_uri,
+                why,
+                self.spool.dir,
+            )
+
+    def _back(self) -> None:
+        self._down = self._warned = False
+        log.warning("MLflow at %s is reachable again; spooled entries sent.", self.tracking_uri)
+
+    def _sync_earlier_spools(self) -> None:
+        """The spools an earlier process left beside ours (a resumed run in the same run
+        directory), sent now that the server answers."""
+        for directory in find_spools(self.spool.dir.parent):
+            if directory == self.spool.dir:
+                continue
+            earlier = Spool.open(directory)
+            if earlier.run.get("tracking_uri") != self.tracking_uri:
+                continue
+            try:
+                if earlier.replay(self.client) > 0:
+                    log.info("sent the entries spooled in %s", directory)
+            except Exception as e:
+                log.info("could not send the entries spooled in %s (%s)", directory, e)
 
 
 class NullTracker:
@@ -280,10 +645,12 @@ def build_tracker(
     *,
     is_main: bool = True,
     tags: Mapping[str, str] | None = None,
+    output_dir: str | Path | None = None,
 ) -> Tracker:
     """The tracker of this process: a NullTracker on every process but the main one
     (``world.is_main``), so that one run is logged however many processes train. ``tags`` go
-    on the MLflow run; null = ``hydra_job_tags()``."""
+    on the MLflow run; null = ``hydra_job_tags()``. What MLflow cannot take is spooled in
+    ``<output_dir>/mlflow_spool`` (null = ``<output_root>/mlflow_spool``)."""
     if not is_main:
         return NullTracker()
     if cfg.kind == TrackerKind.console:
@@ -300,42 +667,51 @@ def build_tracker(
         cfg.run_name or run_name,
         Path(output_root) / "mlartifacts",
         hydra_job_tags() if tags is None else tags,
+        spool_root=Path(output_dir or output_root) / "mlflow_spool",
+        close_timeout_s=cfg.close_timeout_s,
     )
+
+
+def _config_text(cfg: DictConfig, key: str, default: str) -> str:
+    """``cfg``'s value at a dotted ``key``, or ``default`` where a section on the way is
+    missing (a job started without +model) or cannot be resolved outside its Hydra job."""
+    node: Any = cfg
+    for part in key.split("."):
+        try:
+            if not isinstance(node, DictConfig) or OmegaConf.is_missing(node, part):
+                return default
+            node = node[part]
+        except (OmegaConfBaseException, KeyError):
+            return default
+    return default if node is None else param_text(node)
 
 
 def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = True) -> None:
     """After ``error`` stopped a run: end the MLflow run it left open as FAILED (KILLED for
     Ctrl-C) with the error as the ``error`` tag. A job that failed before it had a run (a bad
-    config value, an unreadable data file) gets a FAILED run of its own, so that every job of
-    a sweep shows in MLflow. ``cfg`` is the run's composed root config; never raises."""
-    if not is_main:
+    config value, an unreadable data file, no +model) gets a FAILED run of its own, so that
+    every job of a sweep shows in MLflow. ``cfg`` is the run's composed root config; never
+    raises."""
+    if not is_main or _config_text(cfg, "tracker.kind", "") != TrackerKind.mlflow.value:
         return
     status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
     message = f"{type(error).__name__}: {error}"[:MAX_TAG_CHARS]
     try:
-        if "mlflow" in sys.modules:
-            import mlflow
-
-            if mlflow.active_run() is not None:
-                mlflow.set_tag("error", message)
-                mlflow.end_run(status=status)
-                return
-        tracker_cfg = OmegaConf.to_object(cfg.tracker)
-        if not isinstance(tracker_cfg, TrackerConfig) or tracker_cfg.kind != TrackerKind.mlflow:
-            return
-        output_dir = Path(str(OmegaConf.select(cfg, "output_dir", default="run")))
-        model, data = (
-            str(OmegaConf.select(cfg, key, default="unknown"))
-            for key in ("model.name", "data.name")
-        )
-        tracker = build_tracker(
-            tracker_cfg,
-            str(OmegaConf.select(cfg, "output_root", default="outputs")),
-            default_run_name(model, data, output_dir),
-        )
-        assert isinstance(tracker, MLflowTracker)
-        tracker.mlflow.set_tag("error", message)
-        tracker.mlflow.end_run(status=status)
+        tracker = MLflowTracker.last
+        if tracker is None or tracker.closed:
+            tracker_cfg = OmegaConf.to_object(cfg.tracker)
+            assert isinstance(tracker_cfg, TrackerConfig)
+            output_dir = Path(_config_text(cfg, "output_dir", "run"))
+            model, data = (_config_text(cfg, f"{key}.name", "unknown") for key in ("model", "data"))
+            built = build_tracker(
+                tracker_cfg,
+                _config_text(cfg, "output_root", "outputs"),
+                default_run_name(model, data, output_dir),
+                output_dir=output_dir,
+            )
+            assert isinstance(built, MLflowTracker)
+            tracker = built
+        tracker.close(status, tags={"error": message})
     except Exception as e:  # the failure being reported matters more than this record of it
         log.warning("could not record the failure in MLflow (%s: %s)", type(e).__name__, e)
 
@@ -345,18 +721,79 @@ def record_stop(signum: int, cfg: DictConfig, *, is_main: bool = True) -> None:
     KILLED with the signal as the ``stopped_by`` tag. A requeued job logs a new run with the
     same name and tags, so each segment of a preempted job stays visible. ``cfg`` is the
     run's composed root config; never raises."""
-    if not is_main or "mlflow" not in sys.modules:
+    tracker = MLflowTracker.last  # the run this job's tracker started and closed
+    if not is_main or tracker is None:
         return
-    if OmegaConf.select(cfg, "tracker.kind") != TrackerKind.mlflow:
+    if _config_text(cfg, "tracker.kind", "") != TrackerKind.mlflow.value:
         return
     try:
-        import mlflow
-
-        run = mlflow.last_active_run()  # the run this job's tracker started and closed
-        if run is None:
-            return
-        client = mlflow.MlflowClient()
-        client.set_tag(run.info.run_id, "stopped_by", signal.Signals(signum).name)
-        client.set_terminated(run.info.run_id, "KILLED")
+        tracker.amend({"stopped_by": signal.Signals(signum).name}, "KILLED")
     except Exception as e:  # the checkpoint is saved; the MLflow status is a courtesy
         log.warning("could not mark the MLflow run stopped (%s: %s)", type(e).__name__, e)
+
+
+def find_spools(path: Path) -> list[Path]:
+    """The spools at or under ``path``: a spool itself, a run directory's ``mlflow_spool``,
+    or any directory above them (an output root)."""
+    if (path / "run.json").is_file() and path.parent.name == "mlflow_spool":
+        return [path]
+    if not path.is_dir():
+        return []
+    found = (run.parent for run in path.rglob("run.json"))
+    return sorted(spool for spool in found if spool.parent.name == "mlflow_spool")
+
+
+def sync(path: str | Path, tracking_uri: str | None = None) -> int:
+    """Sends every spool at or under ``path`` to its run (on ``tracking_uri``, null = the
+    server it was logged to), the run's end status last. Returns the number of spools left
+    (0 = all sent); prints one line per spool."""
+    spools = find_spools(Path(path))
+    if not spools:
+        print(f"nothing to sync: no mlflow_spool under {path}", flush=True)
+    left = 0
+    for directory in spools:
+        spool = Spool.open(directory)
+        uri = tracking_uri or spool.run["tracking_uri"]
+        what = spool.describe()
+        try:
+            sent = spool.replay(_client(uri))
+        except Exception as e:
+            left += 1
+            print(
+                f"MLflow at {uri} is still unreachable ({type(e).__name__}: {e}); "
+                f"what is left stays in {directory}: run this again when it is back.",
+                flush=True,
+            )
+            continue
+        if sent < 0:
+            left += 1
+            print(f"{directory} is being sent by another process (a live run); skipped.")
+            continue
+        print(f"sent {what} to run {spool.run['run_id']} at {uri}.", flush=True)
+    return left
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eagleforge.tracking sync PATH``: send what runs spooled while MLflow was
+    unreachable."""
+    parser = argparse.ArgumentParser(
+        prog="python -m eagleforge.tracking",
+        description="Send to MLflow what runs spooled while the server was unreachable.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    sync_parser = commands.add_parser(
+        "sync", help="send the spools at or under PATH (a run dir, an output root, a spool)"
+    )
+    sync_parser.add_argument("path", type=Path)
+    sync_parser.add_argument(
+        "--tracking-uri", default=None, help="send there (default: the server each run used)"
+    )
+    args = parser.parse_args(argv)
+    if not args.path.exists():
+        print(f"error: {args.path} does not exist; give a run directory.", flush=True)
+        return 2
+    return 1 if sync(args.path, args.tracking_uri) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

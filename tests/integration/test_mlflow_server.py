@@ -1,5 +1,7 @@
 """Shared tracking: `make mlflow-server` serves MLflow over HTTP, a run logs to it through
-MLFLOW_TRACKING_URI, and its metrics read back through the server's REST API."""
+MLFLOW_TRACKING_URI, and its metrics read back through the server's REST API; a run that
+loses the server spools what it logs, and `python -m eagleforge.tracking sync` sends it once
+the server is back."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the shared test h
 from ranks import free_port  # noqa: E402
 
 from eagleforge.config import compose_config
+from eagleforge.tracking import TrackerConfig, build_tracker
 from eagleforge.train import run
 
 pytestmark = pytest.mark.integration
@@ -41,21 +45,19 @@ def live_processes_in_group(pgid: int) -> list[str]:
     return alive
 
 
-@pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """`make mlflow-server` on a free port with its store in tmp_path/server; yields the
-    tracking URI it prints and the store directory. Stops exactly the processes it started:
-    the server is started in a new session, and its process group is ended after the test."""
-    store = tmp_path / "server"
+@contextmanager
+def serve(store: Path, port: int, log_path: Path) -> Iterator[str]:
+    """`make mlflow-server` on ``port`` with its store in ``store``; yields the tracking URI
+    it prints. Stops exactly the processes it started: the server is started in a new
+    session, and its process group is ended on exit."""
     venv = Path(sys.prefix)
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         server = subprocess.Popen(
             [
                 "make",
                 "--no-print-directory",
                 "mlflow-server",
-                f"MLFLOW_PORT={free_port()}",
+                f"MLFLOW_PORT={port}",
                 f"MLFLOW_DIR={store}",
                 f"VENV={venv}",
                 "-o",  # the venv is there: never reinstall it from a test
@@ -68,22 +70,19 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         )
     try:
         deadline = time.monotonic() + 180
-        uri = None
+        uri = f"http://127.0.0.1:{port}"
         while True:
             assert server.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            if uri is None:
-                found = re.search(r"MLFLOW_TRACKING_URI=(\S+)", log_path.read_text())
-                uri = found.group(1) if found else None
-            if uri is not None:
-                try:
-                    with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                        if response.status == 200:
-                            break
-                except OSError:
-                    pass
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
             time.sleep(0.5)
-        yield uri, store
+        assert f"MLFLOW_TRACKING_URI={uri}" in log_path.read_text()
+        yield uri
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
@@ -94,6 +93,14 @@ def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         if left:
             os.killpg(server.pid, signal.SIGKILL)
         assert not left, f"server processes still running after SIGTERM: {left}"
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A server on a free port with its store in tmp_path/server: its URI and store."""
+    store = tmp_path / "server"
+    with serve(store, free_port(), tmp_path / "server.log") as uri:
+        yield uri, store
 
 
 def test_a_run_logs_to_a_shared_server(
@@ -140,3 +147,50 @@ def test_a_run_logs_to_a_shared_server(
     assert (store / "mlflow.db").is_file()
     assert list((store / "mlartifacts").rglob("summary.json"))
     assert not (output_root / "mlflow.db").exists()
+
+
+def test_a_run_that_loses_the_server_spools_and_syncs(tmp_path: Path) -> None:
+    """The server stops while the run trains: no call waits for it, the run's end spools
+    what was not sent (one warning with the command), and `sync` sends it to the same run
+    once the server is back, ending that run FINISHED."""
+    import mlflow
+
+    store, port, run_dir = tmp_path / "server", free_port(), tmp_path / "out" / "run"
+    run_dir.mkdir(parents=True)
+    with serve(store, port, tmp_path / "server.log") as uri:
+        tracker = build_tracker(
+            TrackerConfig(tracking_uri=uri, experiment="outage", close_timeout_s=2),
+            tmp_path / "out",
+            "outage",
+            tags={},
+            output_dir=run_dir,
+        )
+        tracker.log_config({"optimizer.lr": 0.001}, "optimizer:\n  lr: 0.001\n")
+        tracker.log_metrics({"train/loss": 4.0}, step=1)
+    for step in range(2, 6):  # the server is gone
+        start = time.monotonic()
+        tracker.log_metrics({"train/loss": 4.0 - step / 2}, step=step)
+        assert time.monotonic() - start < 1.0
+    (run_dir / "summary.json").write_text('{"step": 5}\n')
+    tracker.log_artifact(run_dir / "summary.json")
+    tracker.close()
+    assert list((run_dir / "mlflow_spool").glob("*/entries.jsonl"))
+
+    with serve(store, port, tmp_path / "server.log") as uri:
+        synced = subprocess.run(
+            [sys.executable, "-m", "eagleforge.tracking", "sync", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert synced.returncode == 0, synced.stdout + synced.stderr
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name("outage")
+        assert experiment is not None
+        (logged,) = client.search_runs([experiment.experiment_id])
+        assert logged.info.status == "FINISHED"
+        history = client.get_metric_history(logged.info.run_id, "train/loss")
+        assert sorted(m.step for m in history) == [1, 2, 3, 4, 5]
+        artifacts = {a.path for a in client.list_artifacts(logged.info.run_id)}
+        assert {"config.yaml", "summary.json"} <= artifacts
+    assert not (run_dir / "mlflow_spool").exists()

@@ -46,33 +46,37 @@ def test_starts_and_ends_its_own_run(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert "MLFLOW_TRACKING_URI" not in os.environ
 
 
-def test_an_unreachable_server_does_not_stop_logging(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Metrics logged while the server is down are kept, with one warning, and sent once
-    it answers again."""
+def test_params_are_the_values_a_user_types(tmp_path: Path) -> None:
+    """Enum fields are logged as their values (``random``, not ``ModelSource.random``), so
+    that runs can be filtered by what was typed on the command line."""
     import mlflow
+    from omegaconf import OmegaConf
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from eagleforge.config import compose_config
+    from eagleforge.tracking import flatten
+
+    cfg = compose_config(["+model=tiny", "data=chitchat", f"output_dir={tmp_path / 'job'}"])
+    container = OmegaConf.to_container(cfg, resolve=True)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = MLflowTracker(uri, "outage", "run", tmp_path / "artifacts")
-    real = tracker.mlflow.log_metrics
-    down = {"on": True}
-
-    def flaky(metrics: dict[str, float], step: int) -> None:
-        if down["on"]:
-            raise ConnectionError("server unreachable")
-        real(metrics, step=step)
-
-    monkeypatch.setattr(tracker.mlflow, "log_metrics", flaky)
-    with caplog.at_level("WARNING", logger="eagleforge.tracking"):
-        tracker.log_metrics({"train/loss": 3.0}, step=1)
-        tracker.log_metrics({"train/loss": 2.0}, step=2)
-        down["on"] = False
-        tracker.log_metrics({"train/loss": 1.0}, step=3)
+    tracker = MLflowTracker(uri, "params", "run", tmp_path / "artifacts")
+    tracker.log_config(flatten(container), OmegaConf.to_yaml(container))  # type: ignore[arg-type]
     tracker.close()
-    warnings = [r.getMessage() for r in caplog.records if r.name == "eagleforge.tracking"]
-    assert sum("is unreachable" in w for w in warnings) == 1, warnings
-    assert any("reachable again" in w for w in warnings)
-    history = mlflow.MlflowClient(uri).get_metric_history(tracker.run_id, "train/loss")
-    assert [(m.step, m.value) for m in history] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    params = mlflow.MlflowClient(uri).get_run(tracker.run_id).data.params
+    assert params["model.source"] == "random"
+    assert params["tracker.kind"] == "mlflow"
+    assert not [v for v in params.values() if v.startswith(("ModelSource.", "OptimizerKind."))]
+
+
+def test_metrics_also_reach_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Hydra sends the logging module to the console and to <run dir>/train.log: the MLflow
+    tracker writes there the same metrics line as the console tracker."""
+    from eagleforge.tracking import ConsoleTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MLflowTracker(uri, "lines", "run", tmp_path / "artifacts")
+    with caplog.at_level("INFO", logger="eagleforge.tracking"):
+        tracker.log_metrics({"train/loss": 2.5, "train/acc_0": 0.125}, step=3)
+        ConsoleTracker().log_metrics({"train/loss": 2.5, "train/acc_0": 0.125}, step=3)
+    tracker.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "eagleforge.tracking"]
+    assert lines.count("step 3 train/loss=2.5 train/acc_0=0.125") == 2, lines

@@ -121,3 +121,18 @@ def test_a_stopped_run_is_marked_killed_with_its_signal(tmp_path: Path) -> None:
     record_stop(signal.SIGUSR2, root_config(tmp_path))
     (run_,) = runs(tmp_path)
     assert run_.info.status == "KILLED" and run_.data.tags["stopped_by"] == "SIGUSR2"
+
+
+def test_a_job_without_a_model_is_recorded_without_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`python -m eagleforge.train data=chitchat` (no +model) fails before it has a run: its
+    FAILED run is named with what the config has, and recording it warns of nothing."""
+    cfg = compose_config(
+        ["data=chitchat", f"output_root={tmp_path}", f"output_dir={tmp_path / 'job'}"]
+    )
+    with caplog.at_level("WARNING"):
+        record_failure(ConfigError("No target model chosen: add +model=NAME."), cfg)
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    (run_,) = runs(tmp_path)
+    assert run_.info.status == "FAILED" and run_.info.run_name == "unknown-chitchat-job"
