@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import hydra
 import torch
+from huggingface_hub import try_to_load_from_cache
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.config import conf_dir, register_configs
 from eagleforge.errors import ConfigError, exit_on_user_error
@@ -33,21 +36,89 @@ from eagleforge.formats import (
     read_draft,
     write_draft,
 )
+from eagleforge.target.source import ModelConfig, ModelSource, resolve_model_dir
+
+log = logging.getLogger(__name__)
 
 
-def _known_target(draft_dir: Path) -> str:
-    """The target a draft is for: a checkpoint's config.yaml (model.path or name) or a
-    speculators draft's verifier; '' when the directory does not say."""
-    path = draft_dir / "config.yaml"
-    if path.is_file():
-        config = OmegaConf.to_container(OmegaConf.load(path))
-        model = (config.get("model") or {}) if isinstance(config, dict) else {}
-        return str(model.get("path") or model.get("name") or "")
-    draft_config = json.loads((draft_dir / "config.json").read_text())
-    return str(
-        ((draft_config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        or ""
+def _verifier(cfg: ExportConfig, draft_dir: Path) -> Verifier:
+    """The target a speculators draft names, where ``speculators`` and vLLM can load it:
+    ``export.verifier``, else the target of the draft's training config.yaml, else the
+    verifier a speculators draft already names; its architectures as given, else from its
+    config.json."""
+    if cfg.verifier:
+        name_or_path, revision = _local_or_hub(cfg.verifier), None
+    elif (draft_dir / "config.yaml").is_file():
+        name_or_path, revision = _trained_target(draft_dir / "config.yaml")
+    else:
+        draft_config = json.loads((draft_dir / "config.json").read_text())
+        named = (draft_config.get("speculators_config") or {}).get("verifier") or {}
+        if not named.get("name_or_path"):
+            raise ConfigError(
+                f"{draft_dir} does not say which target it was trained for (no config.yaml or "
+                "verifier); set export.verifier to the target's hub id or path (vLLM serves it "
+                "from there)."
+            )
+        architectures = cfg.verifier_architectures or list(named.get("architectures") or [])
+        return Verifier(named["name_or_path"], architectures)
+    architectures = cfg.verifier_architectures or _architectures(name_or_path, revision)
+    return Verifier(name_or_path, architectures)
+
+
+def _local_or_hub(name_or_path: str) -> str:
+    """A model directory here as an absolute path (the engine may run elsewhere); anything
+    else (a hub id) as it is."""
+    local = Path(name_or_path).expanduser()
+    return str(local.resolve()) if local.is_dir() else name_or_path
+
+
+def _trained_target(config_path: Path) -> tuple[str, str | None]:
+    """(hub id or directory, revision) of the target in a checkpoint's training config:
+    ``model.path`` (absolute when it is a directory here), or for a bundled or random target
+    the directory eagleforge builds it in (built again if missing, as training would)."""
+    training = OmegaConf.load(config_path)
+    try:
+        model = OmegaConf.to_object(
+            OmegaConf.merge(
+                OmegaConf.structured(ModelConfig), OmegaConf.select(training, "model") or {}
+            )
+        )
+    except (OmegaConfBaseException, ConfigError) as e:
+        raise ConfigError(
+            f"{config_path}: its model section does not read ({e}); set export.verifier to "
+            "the target's hub id or path."
+        ) from None
+    assert isinstance(model, ModelConfig)
+    if model.source == ModelSource.pretrained:
+        assert model.path is not None
+        return _local_or_hub(model.path), model.revision
+    # as EagleForgeConfig.resolved_cache_dir
+    cache_dir = (
+        OmegaConf.select(training, "cache_dir")
+        or os.environ.get("EAGLEFORGE_CACHE_DIR")
+        or Path.home() / ".cache" / "eagleforge"
     )
+    return str(Path(resolve_model_dir(model, cache_dir)).resolve()), None
+
+
+def _architectures(name_or_path: str, revision: str | None) -> list[str]:
+    """The ``architectures`` of a model's config.json: in its directory, or for a hub id in
+    the local Hugging Face cache (nothing is downloaded); [] when neither has it."""
+    config_path: str | Path | None = Path(name_or_path) / "config.json"
+    if not Path(name_or_path).is_dir():
+        try:
+            config_path = try_to_load_from_cache(name_or_path, "config.json", revision=revision)
+        except ValueError:  # not a hub id either
+            config_path = None
+    if not isinstance(config_path, (str, Path)) or not Path(config_path).is_file():
+        log.warning(
+            "no config.json found for the verifier %s (not a directory here, not in the "
+            "Hugging Face cache): the export names no verifier architectures; set "
+            "export.verifier_architectures=[...] to name them.",
+            name_or_path,
+        )
+        return []
+    return list(json.loads(Path(config_path).read_text()).get("architectures") or [])
 
 
 def export(cfg: ExportConfig) -> Path:
@@ -65,13 +136,7 @@ def export(cfg: ExportConfig) -> Path:
     out = Path(cfg.output_dir or f"{source}-{cfg.format.value}")
     if out.exists():
         raise ConfigError(f"export.output_dir={out} exists; remove it or choose another directory.")
-    verifier = Verifier(cfg.verifier or _known_target(source), cfg.verifier_architectures)
-    if cfg.format == DraftFormat.speculators and not verifier.name_or_path:
-        raise ConfigError(
-            f"{source} does not say which target it was trained for (no config.yaml or "
-            "verifier); set "
-            "export.verifier to the target's hub id or path (vLLM serves it from there)."
-        )
+    verifier = _verifier(cfg, source) if cfg.format == DraftFormat.speculators else None
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -207,10 +207,11 @@ class ExportConfig:
     output_dir: str | None = None
     # Floating-point dtype of the exported weights.
     dtype: ExportDType = ExportDType.keep
-    # speculators: the target's hub id or path; null = model.path (or name) of the draft's
-    # training config.yaml when it has one.
+    # speculators: the target's hub id or path; null = the target of the draft's training
+    # config.yaml: model.path, or the cache directory of a bundled or random target.
     verifier: str | None = None
-    # speculators: the target's architectures (e.g. [LlamaForCausalLM]).
+    # speculators: the target's architectures (e.g. [LlamaForCausalLM]); [] = those of its
+    # config.json (its directory or the Hugging Face cache).
     verifier_architectures: list[str] = field(default_factory=list)
     # speculators: tokens the engine proposes per step by default.
     speculative_tokens: int = 3

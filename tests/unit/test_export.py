@@ -176,3 +176,96 @@ def test_speculators_export_needs_to_know_its_verifier(tmp_path: Path) -> None:
         ExportConfig(draft=str(bare), format=DraftFormat.speculators, verifier="org/target")
     )
     assert _config(out)["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+
+
+def _checkpoint_for(target_overrides: list[str], path: Path, seed: int = 0) -> Path:
+    """A checkpoint-like draft directory for the target of these overrides: a draft shaped
+    from the target's config.json, and the resolved training config.yaml beside it."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    from eagleforge.config import compose_config, to_typed
+    from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+    from eagleforge.target.source import resolve_model_dir
+
+    cfg = compose_config([*target_overrides, "data=chitchat", f"output_dir={path.parent}"])
+    config = to_typed(cfg)
+    target = AutoConfig.from_pretrained(
+        resolve_model_dir(config.model, config.resolved_cache_dir())
+    )
+    arch = DraftArchitecture.from_target(target, config.draft, [1, 2, 4])
+    draft = Eagle3Draft(arch)
+    generator = torch.Generator().manual_seed(seed)
+    draft.init_weights(0.3, generator)
+    kept = torch.arange(arch.draft_vocab_size) * (arch.vocab_size // arch.draft_vocab_size)
+    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    draft.set_vocab_map(kept - torch.arange(arch.draft_vocab_size), t2d)
+    out = export_sglang(draft, path)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True)))
+    return out
+
+
+def test_speculators_verifier_is_the_trained_target_with_its_architectures(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """A bundled or random target has no model.path: the verifier is the directory eagleforge
+    built it in, and the architectures are read from its config.json."""
+    from eagleforge.target.source import RandomModelConfig, random_llama_dir
+
+    checkpoint = _checkpoint_for(["+model=tiny"], tmp_path / "step_00000001")
+    out = export(ExportConfig(draft=str(checkpoint), format=DraftFormat.speculators))
+    verifier = _config(out)["speculators_config"]["verifier"]
+    target = random_llama_dir(RandomModelConfig(), cache_dir)
+    assert verifier == {"name_or_path": str(target), "architectures": ["LlamaForCausalLM"]}
+
+
+def test_speculators_verifier_from_a_local_model_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "models" / "Tiny-8B"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text(json.dumps({"architectures": ["TinyForCausalLM"]}))
+    draft = export_sglang(tiny_draft(seed=3), tmp_path / "step_00000010")
+    (draft / "config.yaml").write_text("model:\n  name: tiny8b\n  path: models/Tiny-8B\n")
+
+    def verifier(out: str, **fields: str) -> dict:  # type: ignore[type-arg]
+        config = ExportConfig(draft=str(draft), format=DraftFormat.speculators,
+                              output_dir=str(tmp_path / out), **fields)  # fmt: skip
+        return _config(export(config))["speculators_config"]["verifier"]  # type: ignore[no-any-return]
+
+    # model.path as trained: elsewhere, a relative path that is not here is kept as written
+    assert verifier("a") == {"name_or_path": "models/Tiny-8B", "architectures": []}
+    monkeypatch.chdir(tmp_path)  # where training ran: the directory, made absolute
+    assert verifier("b") == {"name_or_path": str(target), "architectures": ["TinyForCausalLM"]}
+    assert verifier("c", verifier="models/Tiny-8B") == {
+        "name_or_path": str(target),
+        "architectures": ["TinyForCausalLM"],
+    }
+
+
+def test_speculators_loads_the_export_with_its_verifier(tmp_path: Path) -> None:
+    """The speculators package's own loader reads the export and the target it names."""
+    pytest.importorskip("speculators")
+    from speculators import SpeculatorModel
+
+    from eagleforge.config import compose_config, to_typed
+    from eagleforge.target.source import resolve_model_dir
+
+    checkpoint = _checkpoint_for(["+model=tiny"], tmp_path / "step_00000001")
+    out = export(ExportConfig(draft=str(checkpoint), format=DraftFormat.speculators))
+    model = SpeculatorModel.from_pretrained(str(out))
+    _, _, tensors = read_draft(checkpoint)
+    assert torch.equal(model.fc.weight, tensors["fc.weight"])
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+    assert torch.equal(model.layers[0].self_attn.q_proj.weight,
+                       tensors["midlayer.self_attn.q_proj.weight"])  # fmt: skip
+    assert torch.equal(model.d2t, tensors["d2t"]) and torch.equal(model.t2d, tensors["t2d"])
+    # the embedding comes from the verifier, which the loader found
+    config = to_typed(compose_config(["+model=tiny", "data=chitchat", "output_dir=/tmp/unused"]))
+    target = load_file(
+        str(
+            Path(resolve_model_dir(config.model, config.resolved_cache_dir())) / "model.safetensors"
+        )
+    )
+    assert torch.equal(model.embed_tokens.weight, target["model.embed_tokens.weight"])
