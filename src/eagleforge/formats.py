@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError
+from eagleforge.files import save_safetensors
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"
@@ -132,7 +133,7 @@ def write_draft(
         for k, v in tensors.items()
         if not k.startswith("embed_tokens")
     }
-    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(kept, out / "model.safetensors", metadata={"format": "pt"})
     config = draft_config(arch, kept["fc.weight"].dtype, fmt, verifier, speculative_tokens)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

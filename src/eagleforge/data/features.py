@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagleforge.data.dataset import file_digest
 from eagleforge.errors import ConfigError, DataError
+from eagleforge.files import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def write_shard(
     else:
         tensors["aux"], tensors["final"] = aux.contiguous(), final.contiguous()
     tmp = store / f".tmp-{name}.safetensors"
-    save_file(tensors, str(tmp))
+    save_safetensors(tensors, tmp)
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
     sha = file_digest(tmp)

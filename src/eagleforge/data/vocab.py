@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from eagleforge.files import save_safetensors
 
 
 @dataclass
@@ -63,6 +65,6 @@ def cached_vocab_map(
     vocab = build_vocab_map(count_supervised_tokens(samples, vocab_size), draft_vocab_size)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-    save_file({"d2t": vocab.d2t_W, "t2d": vocab.t2d_V}, str(tmp))
+    save_safetensors({"d2t": vocab.d2t_W, "t2d": vocab.t2d_V}, tmp)
     os.replace(tmp, cache_file)  # atomic: readers see the old state or the complete file
     return vocab
