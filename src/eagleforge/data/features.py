@@ -189,15 +189,14 @@ def _check_fields(
     optional: Mapping[str, Any],
     fix: str,
 ) -> None:
-    """DataError naming the first missing, unknown or mistyped key of the record ``data``
+    """DataError naming every missing, unknown or mistyped key of the record ``data``
     (types are classes or ``list[...]``; a bool is no int)."""
     problems = [f"no {name}" for name in required if name not in data]
     problems += [f"unknown key {name}" for name in data if name not in {**required, **optional}]
     for name, hint in {**required, **optional}.items():
-        expected = typing.get_origin(hint) or hint
         if name not in data:
             continue
-        value = data[name]
+        expected, value = typing.get_origin(hint) or hint, data[name]
         if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             problems.append(f"{name} is {value!r}, not a {expected.__name__}")
     if problems:
