@@ -75,3 +75,18 @@ def test_writer_temp_dir_is_named_by_its_writer(tmp_path: Path) -> None:
     assert tmp.parent == tmp_path / "sub" and tmp.is_dir()
     assert tmp.name.startswith(f".model.{os.getpid()}@{this_host()}.")
     assert remove_stale_temps(tmp.parent) == []  # this process is alive
+
+
+def test_a_killed_model_conversion_is_cleaned_by_the_next_lookup(tmp_path: Path) -> None:
+    from eagleforge.target.source import _atomic_build
+
+    final = tmp_path / "models" / "converted"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    left = _temp(final.parent, f".converted.{_dead_pid()}@{this_host()}.abcd1234")
+
+    def build(_: Path) -> None:
+        raise AssertionError("a cached model is not built again")
+
+    assert _atomic_build(final, build) == final
+    assert not left.exists() and final.is_dir()

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from omegaconf import MISSING
 
 from eagleforge.errors import ConfigError
+from eagleforge.tempdirs import remove_stale_temps, writer_temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +219,9 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: str | Path) -> Path | str:
 def _atomic_build(final: Path, build) -> Path:  # type: ignore[no-untyped-def]
     """Run ``build(tmp_dir)`` and rename the result to ``final``; a crash leaves no half dir."""
     if (final / "config.json").exists():
+        remove_stale_temps(final.parent)  # what a conversion killed midway left behind
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = writer_temp_dir(final)
     try:
         build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model dir
