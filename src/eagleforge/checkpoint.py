@@ -155,9 +155,7 @@ def checksum_problem(checkpoint_dir: str | Path) -> str | None:
     try:
         digests = json.loads((path / CHECKSUMS).read_text())["sha256"]
     except FileNotFoundError:
-        log.warning(
-            "%s has no %s (saved by an older eagleforge): loaded unverified", path, CHECKSUMS
-        )
+        log.info("%s has no %s (saved by an older eagleforge): loaded unverified", path, CHECKSUMS)
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
