@@ -37,6 +37,12 @@ def save_safetensors(
 ) -> None:
     """``safetensors.torch.save_file``, with the mode a file created by ``open()`` gets."""
     save_file(dict(tensors), str(path), metadata=metadata)
+    follow_umask(path)
+
+
+def follow_umask(path: str | Path) -> None:
+    """Give a file the mode ``open()`` would have created it with (0666 less the umask): for
+    safetensors files written by other libraries (``save_pretrained``) as well."""
     os.chmod(path, 0o666 & ~current_umask())
 
 
