@@ -488,7 +488,7 @@ class Trainer:
             if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0 and not last_step:
                 result.checkpoint = self.save()
             if self.tau_probe is not None and (
-                self.step % cfg.eval_tau_every_n_steps == 0 or self.step == self.max_num_steps
+                self.step % cfg.eval_tau_every_n_steps == 0 or last_step
             ):
                 self._measure_tau(result)
             # all ranks stop together; at the last step the run ends normally (eval, save)
