@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
@@ -59,8 +59,9 @@ class TrackerConfig:
     experiment: str = "eagleforge"
     # Run name; null = <model>-<data>-<time of the run dir> (in a sweep, also the job number).
     run_name: str | None = None
-    # Seconds the end of a run waits for unsent metrics to reach MLflow before it spools them
-    # to <run dir>/mlflow_spool (python -m eagleforge.tracking sync sends them later).
+    # Seconds the end of a run waits for MLflow to take the next of its unsent entries (a slow
+    # server that answers is waited for); then what is left is spooled to
+    # <run dir>/mlflow_spool, and python -m eagleforge.tracking sync sends it later.
     close_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -272,11 +273,12 @@ class Spool:
             shutil.copy2(source, self.dir / where / source.name)
         return {**entry, "path": str(where / source.name)}
 
-    def replay(self, client: Any) -> int:
+    def replay(self, client: Any, on_sent: Callable[[], None] = lambda: None) -> int:
         """Sends the entries in order, the run's end status (the last one spooled) after all
         others, and removes what was sent; the directory goes when nothing is left. Raises
         what the client raised when the server cannot be reached (what was sent before is
-        removed all the same); an entry the server refuses is dropped with a warning. Returns
+        removed all the same); an entry the server refuses is dropped with a warning. Calls
+        ``on_sent`` after each entry. Returns
         the number of entries sent, or -1 when another process is replaying this spool."""
         with self._locked("replay.lock", wait=False) as mine:
             if not mine:
@@ -295,6 +297,7 @@ class Spool:
                             raise
                         log.warning("MLflow refused %s (%s); it is dropped", entries[i], e)
                     done.add(i)
+                    on_sent()
                 done.update(ends)  # the last end status is the one that counts
             finally:
                 self._remove(entries, done)
@@ -318,10 +321,12 @@ class Spool:
             self.dir.parent.rmdir()
 
     def describe(self) -> str:
-        """'<n> metric batches and <m> artifacts' (with params, tags and end status, if any)."""
+        """'<n> metric batches and <m> artifacts', then the params, tags and end status
+        spooled."""
         counts = self.counts()
         text = f"{counts['metrics']} metric batches and {counts['artifact']} artifacts"
-        others = [kind for kind in ("params", "tags", "end") if counts[kind]]
+        names = {"params": "params", "tags": "tags", "end": "end status"}
+        others = [name for kind, name in names.items() if counts[kind]]
         return text + (f" (and the run's {', '.join(others)})" if others else "")
 
 
@@ -334,9 +339,10 @@ class MLflowTracker:
 
     Logging never waits for the server: calls are queued and a background thread sends them.
     What cannot be sent (server down or hung, queue full) goes to a ``Spool`` under
-    ``spool_root``; the sender replays it when the server answers again, ``close`` waits at
-    most ``close_timeout_s`` and spools the rest, and ``python -m eagleforge.tracking sync``
-    sends what is left, ending the run with its status."""
+    ``spool_root``, which the sender replays when the server answers again. ``close`` waits
+    while the sender gets entries through, at most ``close_timeout_s`` for any one of them,
+    and spools the rest; ``python -m eagleforge.tracking sync`` sends it later and ends the
+    run with its status."""
 
     # The tracker this process built last: record_failure and record_stop mark its run.
     last: ClassVar[MLflowTracker | None] = None
@@ -355,7 +361,6 @@ class MLflowTracker:
     ) -> None:
         import mlflow
 
-        self.mlflow = mlflow
         active = mlflow.active_run()
         # Inside a run someone else started (a notebook, a sweep driver): log into it.
         self.owns_run = active is None
@@ -380,6 +385,7 @@ class MLflowTracker:
         self._down = False
         self._warned = False
         self._last_attempt = 0.0
+        self._progress_at = time.monotonic()  # when the sender last finished with an entry
         self._sender = threading.Thread(target=self._send_all, name="mlflow-sender", daemon=True)
         self._sender.start()
         MLflowTracker.last = self
@@ -439,9 +445,9 @@ class MLflowTracker:
         )
 
     def close(self, status: str = "FINISHED", tags: Mapping[str, str] | None = None) -> None:
-        """Ends the run with ``status`` (and ``tags``), waiting at most close_timeout_s for
-        the sender; what it has not sent by then is spooled, with one warning that says how
-        to send it."""
+        """Ends the run with ``status`` (and ``tags``). Waits for the sender as long as it gets
+        entries through, and at most close_timeout_s for any one of them: what is not sent by
+        then is spooled, with one warning that says how to send it."""
         if self.closed:
             return
         self.closed = True
@@ -449,8 +455,13 @@ class MLflowTracker:
             self._put({"kind": "tags", "tags": dict(tags)}, closing=True)
         if self.owns_run:
             self._put({"kind": "end", "status": status}, closing=True)
+        self._progress_at = time.monotonic()
         self._closing.set()
-        self._sender.join(self.close_timeout_s)
+        while self._sender.is_alive():
+            idle_s = time.monotonic() - self._progress_at
+            if idle_s >= self.close_timeout_s:
+                break
+            self._sender.join(self.close_timeout_s - idle_s)
         if self._sender.is_alive():
             with self._state:
                 self._abandoned = True
@@ -520,6 +531,7 @@ class MLflowTracker:
             finally:
                 with self._state:
                     self._in_flight = None
+                self._progress_at = time.monotonic()
         if not self._abandoned and self.spool.entries():
             self._replay()  # the last try, at close
 
@@ -542,12 +554,15 @@ class MLflowTracker:
     def _replay(self) -> None:
         self._last_attempt = time.monotonic()
         try:
-            self.spool.replay(self.client)
+            self.spool.replay(self.client, self._made_progress)
         except Exception as e:
             self._warn_down(f"{type(e).__name__}: {e}")
             return
         if self._down:
             self._back()
+
+    def _made_progress(self) -> None:
+        self._progress_at = time.monotonic()
 
     def _spool_from_sender(self, entry: dict[str, Any]) -> None:
         with self._state:
