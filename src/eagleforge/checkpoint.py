@@ -13,7 +13,6 @@ whose files do not match their checksums is corrupt (a disk or copy error after 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import random
@@ -26,7 +25,7 @@ import torch
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import CheckpointError
-from eagleforge.files import sha256_file
+from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums
 from eagleforge.formats import load_sglang, write_sglang
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import (
@@ -38,7 +37,6 @@ from eagleforge.parallel.fsdp import (
 )
 
 TRAINING_STATE = "training_state.pt"
-CHECKSUMS = "checksums.json"
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +112,7 @@ def _write(
         write_sglang(arch, tensors, tmp)
         torch.save(state, tmp / TRAINING_STATE)
         (tmp / "config.yaml").write_text(config_yaml)
-        _record_checksums(tmp)
+        record_checksums(tmp)
         for file in tmp.iterdir():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
@@ -136,35 +134,6 @@ def _write(
             f"checkpoints in {final.parent} are intact. Free space (or fix the directory) and "
             "run the same command again to resume from the last of them."
         ) from None
-
-
-def _record_checksums(directory: Path) -> None:
-    digests = {
-        file.name: sha256_file(file)
-        for file in sorted(directory.iterdir())
-        if file.is_file() and file.name != CHECKSUMS
-    }
-    (directory / CHECKSUMS).write_text(json.dumps({"sha256": digests}, indent=2) + "\n")
-
-
-def checksum_problem(checkpoint_dir: str | Path) -> str | None:
-    """What is wrong with a checkpoint's files by its ``checksums.json`` (None: nothing). A
-    checkpoint saved before checksums were recorded has none: it is used unverified, with a
-    note."""
-    path = Path(checkpoint_dir)
-    try:
-        digests = json.loads((path / CHECKSUMS).read_text())["sha256"]
-    except FileNotFoundError:
-        log.info("%s has no %s (saved by an older eagleforge): loaded unverified", path, CHECKSUMS)
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
-    for name, digest in digests.items():
-        if not (path / name).is_file():
-            return f"{name} is missing (listed in {CHECKSUMS})"
-        if sha256_file(path / name) != digest:
-            return f"{name} does not match its checksum in {CHECKSUMS}"
-    return None
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -192,6 +161,8 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     found = sorted((Path(output_dir) / "checkpoints").glob("step_*/" + TRAINING_STATE))
     corrupt = []
     for path in reversed([state.parent for state in found]):
+        if not (path / CHECKSUMS).is_file():  # saved by an older eagleforge
+            log.info("%s has no %s: loaded unverified", path, CHECKSUMS)
         problem = checksum_problem(path)
         if problem is None:
             return path

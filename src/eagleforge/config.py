@@ -154,9 +154,14 @@ class EagleForgeConfig:
                 )
 
     def resolved_cache_dir(self) -> Path:
-        if self.cache_dir:
-            return Path(self.cache_dir)
-        return Path(os.environ.get("EAGLEFORGE_CACHE_DIR") or Path.home() / ".cache" / "eagleforge")
+        return resolve_cache_dir(self.cache_dir)
+
+
+def resolve_cache_dir(cache_dir: str | None) -> Path:
+    """``cache_dir``, else $EAGLEFORGE_CACHE_DIR, else ~/.cache/eagleforge."""
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("EAGLEFORGE_CACHE_DIR") or Path.home() / ".cache" / "eagleforge")
 
 
 def register_configs() -> None:

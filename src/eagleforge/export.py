@@ -25,7 +25,7 @@ from huggingface_hub import try_to_load_from_cache
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from eagleforge.config import conf_dir, register_configs
+from eagleforge.config import conf_dir, register_configs, resolve_cache_dir
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import (
     DraftFormat,
@@ -92,12 +92,7 @@ def _trained_target(config_path: Path) -> tuple[str, str | None]:
     if model.source == ModelSource.pretrained:
         assert model.path is not None
         return _local_or_hub(model.path), model.revision
-    # as EagleForgeConfig.resolved_cache_dir
-    cache_dir = (
-        OmegaConf.select(training, "cache_dir")
-        or os.environ.get("EAGLEFORGE_CACHE_DIR")
-        or Path.home() / ".cache" / "eagleforge"
-    )
+    cache_dir = resolve_cache_dir(OmegaConf.select(training, "cache_dir"))
     return str(Path(resolve_model_dir(model, cache_dir)).resolve()), None
 
 

@@ -1,5 +1,5 @@
 """Files written the way the rest of a run's files are: safetensors files that follow the
-umask, and streamed sha256 digests.
+umask, and streamed sha256 digests (``checksums.json``, checked before weights are used).
 
 Every safetensors writer of eagleforge (checkpoints, exported drafts, feature shards, the
 vocab-map cache) goes through ``save_safetensors``: safetensors >= 0.8 writes through a
@@ -11,6 +11,7 @@ else in the directory (safetensors/safetensors#782).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,3 +54,36 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# A directory's manifest of sha256 digests (checkpoints write one; drafts copied from them
+# keep it), so that a flipped byte is found before the weights are used.
+CHECKSUMS = "checksums.json"
+
+
+def record_checksums(directory: Path) -> None:
+    """Write ``checksums.json``: the sha256 of every other file in ``directory``."""
+    digests = {
+        file.name: sha256_file(file)
+        for file in sorted(directory.iterdir())
+        if file.is_file() and file.name != CHECKSUMS
+    }
+    (directory / CHECKSUMS).write_text(json.dumps({"sha256": digests}, indent=2) + "\n")
+
+
+def checksum_problem(directory: str | Path) -> str | None:
+    """What is wrong with a directory's files by its ``checksums.json``; None when nothing is,
+    or when it has none (saved by an older eagleforge, or by another tool: unverified)."""
+    path = Path(directory)
+    try:
+        digests = json.loads((path / CHECKSUMS).read_text())["sha256"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
+    for name, digest in digests.items():
+        if not (path / name).is_file():
+            return f"{name} is missing (listed in {CHECKSUMS})"
+        if sha256_file(path / name) != digest:
+            return f"{name} does not match its checksum in {CHECKSUMS}"
+    return None

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError
-from eagleforge.files import save_safetensors
+from eagleforge.files import checksum_problem, save_safetensors
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"
@@ -334,6 +334,9 @@ def _inspect(
     config_path, weights_path = path / "config.json", path / "model.safetensors"
     if not config_path.is_file():
         return [f"{path}: no config.json"], {}, {}
+    corrupt = checksum_problem(path)  # a training checkpoint records its files' digests
+    if corrupt is not None:
+        return [f"{path}: {corrupt}, so its files are corrupt (use an earlier checkpoint)"], {}, {}
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:

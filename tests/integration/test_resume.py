@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagleforge.checkpoint import CHECKSUMS, TRAINING_STATE, read_progress
+from eagleforge.checkpoint import TRAINING_STATE, read_progress
 from eagleforge.config import compose_config
 from eagleforge.errors import CheckpointError
+from eagleforge.files import CHECKSUMS
 from eagleforge.train import run
 from eagleforge.trainer import Trainer
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 from tiny_drafts import tiny_draft
 
-from eagleforge.checkpoint import CHECKSUMS, newest_checkpoint, save_checkpoint
+from eagleforge.checkpoint import newest_checkpoint, save_checkpoint
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.files import CHECKSUMS
+from eagleforge.formats import check_draft, load_checked_draft
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import TTTModule
@@ -92,3 +94,15 @@ def test_checkpoints_without_checksums_load_unverified(
         assert newest_checkpoint(tmp_path) == checkpoint
         assert resume_from(str(checkpoint), tmp_path) == checkpoint
     assert "unverified" in caplog.text
+
+
+def test_a_corrupt_checkpoint_is_refused_as_a_draft(tmp_path: Path) -> None:
+    """model.draft_init, eagleforge.evaluate and eagleforge.export read checkpoints through
+    check_draft / load_checked_draft: a flipped byte is named there too."""
+    (checkpoint,) = save_steps(tmp_path, 2)
+    assert check_draft(checkpoint) == []
+    flip_last_byte(checkpoint / "model.safetensors")
+    (problem,) = check_draft(checkpoint)
+    assert "model.safetensors does not match its checksum" in problem
+    with pytest.raises(ConfigError, match="files are corrupt"):
+        load_checked_draft(checkpoint, 6)

@@ -75,3 +75,17 @@ def test_safetensors_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
     assert modes == dict.fromkeys(modes, expected)
     # as every other file of a checkpoint
     assert mode(written[0].parent / "config.json") == expected
+
+
+def test_converted_model_weights_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    """The model cache (save_pretrained writes safetensors 0600 too)."""
+    from safetensors.torch import save_file
+
+    from eagleforge.target.source import _atomic_build
+
+    def build(out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(2)}, str(out / "model.safetensors"))
+
+    final = _atomic_build(tmp_path / "models" / "m", build)
+    assert mode(final / "model.safetensors") == oct(0o666 & ~umask)

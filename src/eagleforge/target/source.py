@@ -31,6 +31,7 @@ import torch
 from omegaconf import MISSING
 
 from eagleforge.errors import ConfigError
+from eagleforge.files import follow_umask
 from eagleforge.tempdirs import remove_stale_temps, writer_temp_dir
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ def _atomic_build(final: Path, build) -> Path:  # type: ignore[no-untyped-def]
     tmp = writer_temp_dir(final)
     try:
         build(tmp)
+        for weights in tmp.glob("*.safetensors"):  # save_pretrained writes them 0600
+            follow_umask(weights)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model dir
         try:
             os.rename(tmp, final)
@@ -276,16 +279,21 @@ def _random_model_dir(cfg: RandomModelConfig, cache_dir: str | Path, kind: str) 
     return Path(cache_dir) / "models" / f"tiny-{kind}-{key}"
 
 
-def random_llama_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path:
-    """A random-initialised small Llama with the SmolLM2 tokenizer, cached by its settings."""
+def random_llama_dir(
+    cfg: RandomModelConfig, cache_dir: str | Path, tokenizer_dir: Path | None = None
+) -> Path:
+    """A random-initialised small Llama with the SmolLM2 tokenizer, cached by its settings.
+
+    The tokenizer comes from ``tokenizer_dir`` (default: the bundled SmolLM2, converted on first
+    use) and is only read to build the model, so a cached model needs no bundled package (the
+    GPU check builds it from carried tokenizer files: scripts/gpu_check.py)."""
     final = _random_model_dir(cfg, cache_dir, "llama")
-    tokenizer_dir = bundled_smollm2_dir(cache_dir)
 
     def build(out: Path) -> None:
         import torch
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or bundled_smollm2_dir(cache_dir))
         config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=cfg.hidden_size,
@@ -326,11 +334,13 @@ TINY_VL_CHAT_TEMPLATE = (
 )
 
 
-def random_qwen2_5_vl_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path:
+def random_qwen2_5_vl_dir(
+    cfg: RandomModelConfig, cache_dir: str | Path, tokenizer_dir: Path | None = None
+) -> Path:
     """A random-initialised tiny Qwen2.5-VL and its processor, built offline, cached by its
-    settings: SmolLM2's tokenizer with the vision tokens added, Qwen2-VL's image processor."""
+    settings: SmolLM2's tokenizer (from ``tokenizer_dir`` as in random_llama_dir) with the
+    vision tokens added, Qwen2-VL's image processor."""
     final = _random_model_dir(cfg, cache_dir, "qwen2_5_vl")
-    tokenizer_dir = bundled_smollm2_dir(cache_dir)
 
     def build(out: Path) -> None:
         import torch
@@ -341,7 +351,7 @@ def random_qwen2_5_vl_dir(cfg: RandomModelConfig, cache_dir: str | Path) -> Path
             Qwen2VLImageProcessor,
         )
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or bundled_smollm2_dir(cache_dir))
         tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
         vocab: dict[str, int] = tokenizer.get_vocab()
         ids = {token: vocab[token] for token in VISION_TOKENS}
