@@ -173,6 +173,13 @@ def _rejected(error: Exception) -> bool:
     return 400 <= status < 500 and status != 429
 
 
+def _why(error: Exception) -> str:
+    """An error in one short line (mlflow's connection errors run to several hundred
+    characters)."""
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
 def send_entry(client: Any, run_id: str, entry: Mapping[str, Any], base: Path) -> None:
     """One logging call, as the tracker queues and spools it. Relative artifact paths are
     under ``base`` (the spool directory)."""
@@ -242,7 +249,14 @@ class Spool:
         path = self.dir / "entries.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
+        # the last line may be half written by an append under way: only whole lines count
+        return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
+
+    def has_entries(self) -> bool:
+        try:
+            return (self.dir / "entries.jsonl").stat().st_size > 0
+        except FileNotFoundError:
+            return False
 
     def counts(self) -> Counter[str]:
         return Counter(entry["kind"] for entry in self.entries())
@@ -478,7 +492,7 @@ class MLflowTracker:
             {"kind": "tags", "tags": dict(tags)},
             {"kind": "end", "status": status},
         ]
-        if not self.spool.entries():
+        if not self.spool.has_entries():
             try:
                 for entry in entries:
                     send_entry(self.client, self.run_id, entry, self.spool.dir)
@@ -489,7 +503,7 @@ class MLflowTracker:
         self._report_spool()
 
     def _report_spool(self) -> None:
-        if self.spool.entries():
+        if self.spool.has_entries():
             log.warning(
                 "MLflow at %s was unreachable: %s are spooled in %s; send them with: %s",
                 self.tracking_uri,
@@ -507,7 +521,7 @@ class MLflowTracker:
             self._queue.put_nowait(entry)
         except queue.Full:  # the sender is stuck on the server: spool rather than wait
             self.spool.append([entry])
-            self._warn_down("the server does not keep up")
+            self._warn_once("the server does not keep up")
 
     # The sender thread: the only one that talks to the server while the run is open.
 
@@ -528,11 +542,13 @@ class MLflowTracker:
                     self._spool_from_sender(entry)
                 else:
                     self._attempt(entry)
+            except Exception:  # a bug or a full disk: say so, and keep the sender alive
+                log.exception("the MLflow sender could not handle a %s entry", entry["kind"])
             finally:
                 with self._state:
                     self._in_flight = None
                 self._progress_at = time.monotonic()
-        if not self._abandoned and self.spool.entries():
+        if not self._abandoned and self.spool.has_entries():
             self._replay()  # the last try, at close
 
     def _attempt(self, entry: dict[str, Any]) -> None:
@@ -544,9 +560,9 @@ class MLflowTracker:
                 log.warning("MLflow refused %s (%s); it is dropped", entry["kind"], e)
                 return
             self._spool_from_sender(entry)
-            self._warn_down(f"{type(e).__name__}: {e}")
+            self._warn_down(_why(e))
             return
-        if self.spool.entries():
+        if self.spool.has_entries():
             self._replay()
         elif self._down:
             self._back()
@@ -556,7 +572,7 @@ class MLflowTracker:
         try:
             self.spool.replay(self.client, self._made_progress)
         except Exception as e:
-            self._warn_down(f"{type(e).__name__}: {e}")
+            self._warn_down(_why(e))
             return
         if self._down:
             self._back()
@@ -571,6 +587,9 @@ class MLflowTracker:
 
     def _warn_down(self, why: str) -> None:
         self._down = True
+        self._warn_once(why)
+
+    def _warn_once(self, why: str) -> None:
         if not self._warned:
             self._warned = True
             log.warning(
@@ -591,11 +610,11 @@ class MLflowTracker:
         for directory in find_spools(self.spool.dir.parent):
             if directory == self.spool.dir:
                 continue
-            earlier = Spool.open(directory)
-            if earlier.run.get("tracking_uri") != self.tracking_uri:
-                continue
             try:
-                if earlier.replay(self.client) > 0:
+                earlier = Spool.open(directory)
+                if earlier.run.get("tracking_uri") != self.tracking_uri:
+                    continue
+                if earlier.replay(self.client, self._made_progress) > 0:
                     log.info("sent the entries spooled in %s", directory)
             except Exception as e:
                 log.info("could not send the entries spooled in %s (%s)", directory, e)
@@ -775,7 +794,7 @@ def sync(path: str | Path, tracking_uri: str | None = None) -> int:
         except Exception as e:
             left += 1
             print(
-                f"MLflow at {uri} is still unreachable ({type(e).__name__}: {e}); "
+                f"MLflow at {uri} is still unreachable ({_why(e)}); "
                 f"what is left stays in {directory}: run this again when it is back.",
                 flush=True,
             )

@@ -140,7 +140,11 @@ def test_metrics_logged_during_an_outage_are_sent_when_it_ends(
     with caplog.at_level("WARNING", logger="eagleforge.tracking"):
         tracker.log_metrics({"train/loss": 3.0}, step=1)
         tracker.log_metrics({"train/loss": 2.0}, step=2)
-        time.sleep(0.5)  # sent, failed and spooled by now
+        spool = Spool(tmp_path / "run" / "mlflow_spool" / tracker.run_id, {})
+        deadline = time.monotonic() + 60
+        while spool.counts()["metrics"] < 2:  # the server is found down: both spooled
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         tracker.client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # back
         tracker.log_metrics({"train/loss": 1.0}, step=3)
         tracker.close()
@@ -151,4 +155,29 @@ def test_metrics_logged_during_an_outage_are_sent_when_it_ends(
     history = client.get_metric_history(tracker.run_id, "train/loss")
     assert sorted((m.step, m.value) for m in history) == [(1, 3.0), (2, 2.0), (3, 1.0)]
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    assert not (tmp_path / "run" / "mlflow_spool").exists()
+
+
+def test_the_next_run_in_the_same_run_directory_sends_an_earlier_spool(tmp_path: Path) -> None:
+    """A resumed job whose server answers sends what the earlier process of the job could
+    not, and that run gets its end status."""
+    from mlflow import MlflowClient
+
+    earlier = tracker_cut_off(tmp_path, f"http://127.0.0.1:{free_port()}", close_timeout_s=5)
+    earlier.log_metrics({"train/loss": 2.0}, step=7)
+    earlier.close()
+    assert (tmp_path / "run" / "mlflow_spool" / earlier.run_id).is_dir()
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    resumed = MLflowTracker(
+        store,
+        "outage",
+        "run",
+        tmp_path / "mlartifacts",
+        spool_root=tmp_path / "run" / "mlflow_spool",
+    )
+    resumed.close()
+    client = MlflowClient(store)
+    assert [m.step for m in client.get_metric_history(earlier.run_id, "train/loss")] == [7]
+    assert client.get_run(earlier.run_id).info.status == "FINISHED"
     assert not (tmp_path / "run" / "mlflow_spool").exists()
