@@ -59,9 +59,7 @@ class TrackerConfig:
     experiment: str = "eagleforge"
     # Run name; null = <model>-<data>-<time of the run dir> (in a sweep, also the job number).
     run_name: str | None = None
-    # Seconds the end of a run waits for MLflow to take the next of its unsent entries (a slow
-    # server that answers is waited for); then what is left is spooled to
-    # <run dir>/mlflow_spool, and python -m eagleforge.tracking sync sends it later.
+    # Seconds a run's end waits on one MLflow request before spooling what is left to send.
     close_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
