@@ -4,13 +4,16 @@
     python -m eagleforge.evaluate +model=smollm2 eval.draft=outputs/runs/RUN/checkpoints \\
         eval.topk=4 eval.total_draft_tokens=16 eval.temperature=0.7
     python -m eagleforge.evaluate +model=qwen2_5_vl eval.draft=DRAFT eval.prompts=/data/vlm.jsonl
+    python -m eagleforge.evaluate +model=smollm2 eval.draft=DRAFT eval.prompts=[mtbench,gsm8k]
 
 A vision-language target (``data.is_vlm``) reads prompts with images (docs/vlm.md) and decodes
 with its M-RoPE positions.
 
-Prints a table per draft (τ, acceptance by position, tokens/s against the target alone, the
-speedup, and whether greedy outputs equal the target's), writes ``summary.json`` and
-``outputs.jsonl`` under the run directory, and logs everything, with plots, to the tracker.
+Prints a table per draft and prompt set (τ, acceptance by position, tokens/s against the
+target alone, the speedup, and whether greedy outputs equal the target's), writes
+``summary.json`` and ``outputs.jsonl`` under the run directory, and logs everything, with
+plots, to the tracker. Several prompt sets (``eval.prompts=[mtbench,gsm8k,humaneval]``) also
+give one table and one plot across them.
 """
 
 from __future__ import annotations
@@ -33,19 +36,27 @@ from eagleforge.formats import load_checked_draft, read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
 from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
-from eagleforge.speculative.prompts import PromptRenderer, load_prompts
+from eagleforge.speculative.prompts import (
+    PromptRenderer,
+    PromptSet,
+    load_prompt_set,
+    load_prompt_sets,
+)
 from eagleforge.speculative.report import (
     Summary,
     TurnRecord,
     plot_acceptance,
+    plot_tau_by_set,
     plot_tau_by_step,
+    sets_table,
     summarise,
     table,
     write_outputs,
+    write_sets_table,
 )
 from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import load_processor, load_tokenizer, resolve_model_dir
-from eagleforge.tracking import build_tracker, flatten
+from eagleforge.tracking import Tracker, build_tracker, flatten
 
 log = logging.getLogger("eagleforge.evaluate")
 
@@ -103,16 +114,23 @@ def evaluate_draft(
     renderer: PromptRenderer,
     name: str,
     device: torch.device,
+    prompts: PromptSet | None = None,
+    label: str | None = None,
 ) -> tuple[Summary, list[TurnRecord]]:
+    """Decode every prompt of ``prompts`` (default: the first set of eval.prompts) with the
+    draft and, with eval.baseline, with the target alone. ``label`` names the progress bar."""
     cfg = config.eval
-    prompts = load_prompts(cfg.prompts, cfg.multi_turn, cfg.max_prompts, config.data.is_vlm)
+    if prompts is None:
+        texts = cfg.prompt_sets()
+        prompts = load_prompt_set(texts[0], cfg.multi_turn, cfg.max_prompts, config.data.is_vlm)
     tokenizer = renderer.tokenizer
     records: list[TurnRecord] = []
     # a CPU evaluation runs for minutes: show prompts done and the speculative tokens/s
-    bar = tqdm(total=len(prompts), desc=f"evaluate {Path(name).name}", unit="prompt")
+    desc = f"evaluate {label or Path(name).name}"
+    bar = tqdm(total=len(prompts.items), desc=desc, unit="prompt")
     new_tokens, seconds = 0, 0.0
-    for index, item in enumerate(prompts):
-        messages: list[dict[str, Any]] = []
+    for index, item in enumerate(prompts.items):
+        messages: list[dict[str, Any]] = list(item.context)
         for turn in range(len(item.turns)):
             messages.append(item.message(turn))
             prompt_ids, images = renderer(messages, f"{item.where} (turn {turn})")
@@ -131,8 +149,60 @@ def evaluate_draft(
         bar.set_postfix(tok_s=f"{new_tokens / max(seconds, 1e-9):.1f}", refresh=False)
         bar.update()
     bar.close()
-    summary = summarise(name, records, cfg.num_draft_tokens, greedy=cfg.temperature == 0)
+    greedy = cfg.temperature == 0
+    summary = summarise(name, records, cfg.num_draft_tokens, greedy, prompts.name)
     return summary, records
+
+
+def evaluate_sets(
+    config: EagleForgeConfig,
+    decoder: SpeculativeDecoder,
+    renderer: PromptRenderer,
+    draft: Path,
+    step: int,
+    sets: list[PromptSet],
+    device: torch.device,
+    tracker: Tracker,
+) -> list[Summary]:
+    """One draft on every prompt set: a table, files and metrics per set. One set writes
+    eval/<draft>/ and logs eval/tau ...; several write eval/<draft>/<set>/ and log
+    eval/<set>/tau ..."""
+    summaries = []
+    for prompt_set in sets:
+        several = len(sets) > 1
+        label = f"{draft.name} {prompt_set.name}" if several else draft.name
+        summary, records = evaluate_draft(
+            config, decoder, renderer, str(draft), device, prompt_set, label
+        )
+        print(table(summary), flush=True)
+        out = Path(config.output_dir) / "eval" / draft.name
+        out = out / prompt_set.name if several else out
+        write_outputs(summary, records, out)
+        plot_acceptance(summary, out / "acceptance.png")
+        scope = f"eval/{prompt_set.name}" if several else "eval"
+        metrics = {
+            f"{scope}/tau": summary.tau,
+            f"{scope}/tokens_per_s": summary.tokens_per_s,
+            **{
+                f"{scope}/accept_pos_{j + 1}": r
+                for j, r in enumerate(summary.acceptance_by_position)
+            },
+        }
+        if summary.speedup is not None:
+            metrics[f"{scope}/speedup"] = summary.speedup
+        tracker.log_metrics(metrics, step=step)
+        tracker.log_artifact(out)  # summary.json, outputs.jsonl, acceptance.png
+        summaries.append(summary)
+    return summaries
+
+
+def report_sets(summaries: list[Summary], eval_dir: Path, tracker: Tracker) -> None:
+    """The table across prompt sets (printed, summary.csv and summary.md) and τ by set
+    (tau_by_set.png), logged as artifacts."""
+    print(sets_table(summaries), flush=True)
+    for path in write_sets_table(summaries, eval_dir):
+        tracker.log_artifact(path)
+    tracker.log_artifact(plot_tau_by_set(summaries, eval_dir / "tau_by_set.png"))
 
 
 def run(cfg: DictConfig) -> list[Summary]:
@@ -143,6 +213,11 @@ def run(cfg: DictConfig) -> list[Summary]:
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)
     check_inputs(config, data=False, prompts=True)
+    # every prompt set is read before the model loads: a set the hub cannot give costs a line
+    ecfg = config.eval
+    sets = load_prompt_sets(
+        ecfg.prompt_sets(), ecfg.multi_turn, ecfg.max_prompts, config.data.is_vlm
+    )
     arch = read_sglang_architecture(drafts[0][1])
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data
@@ -158,32 +233,23 @@ def run(cfg: DictConfig) -> list[Summary]:
     tracker = build_tracker(config.tracker, config.output_root, run_name=f"eval-{output_dir.name}")
     container = OmegaConf.to_container(cfg, resolve=True)
     tracker.log_config(flatten(container), OmegaConf.to_yaml(cfg))  # type: ignore[arg-type]
-    summaries, tau_by_step = [], []
+    summaries: list[Summary] = []
+    tau_by_step: dict[str, list[tuple[int, float]]] = {s.name: [] for s in sets}
     for step, path in drafts:
         draft = load_draft(path, target, device)
         decoder = SpeculativeDecoder(
-            target, draft, config.eval.settings(), eos_ids(renderer.tokenizer, target)
+            target, draft, ecfg.settings(), eos_ids(renderer.tokenizer, target)
         )
-        summary, records = evaluate_draft(config, decoder, renderer, str(path), device)
-        print(table(summary), flush=True)
-        out = output_dir / "eval" / path.name
-        write_outputs(summary, records, out)
-        plot_acceptance(summary, out / "acceptance.png")
-        metrics = {
-            "eval/tau": summary.tau,
-            "eval/tokens_per_s": summary.tokens_per_s,
-            **{f"eval/accept_pos_{j + 1}": r for j, r in enumerate(summary.acceptance_by_position)},
-        }
-        if summary.speedup is not None:
-            metrics["eval/speedup"] = summary.speedup
-        tracker.log_metrics(metrics, step=step)
-        tracker.log_artifact(out)  # summary.json, outputs.jsonl, acceptance.png
-        summaries.append(summary)
-        tau_by_step.append((step, summary.tau))
+        for summary in evaluate_sets(config, decoder, renderer, path, step, sets, device, tracker):
+            tau_by_step[summary.prompt_set].append((step, summary.tau))
+            summaries.append(summary)
+    eval_dir = output_dir / "eval"
     if len(drafts) > 1:
-        tracker.log_artifact(plot_tau_by_step(tau_by_step, output_dir / "eval" / "tau_by_step.png"))
+        tracker.log_artifact(plot_tau_by_step(tau_by_step, eval_dir / "tau_by_step.png"))
+    if len(sets) > 1:
+        report_sets(summaries, eval_dir, tracker)
     tracker.close()
-    log.info("evaluation written to %s", output_dir / "eval")
+    log.info("evaluation written to %s", eval_dir)
     return summaries
 
 

@@ -3,7 +3,8 @@
 A missing model directory, data file, feature store or prompt file should cost the user one
 line and a second, not a minute of model loading and a page of Hugging Face tracebacks. Each
 entry point calls ``check_inputs`` right after typing its config; everything here is a file
-system lookup (plus a look into the local Hugging Face cache for a hub id while offline).
+system lookup (plus a look into the local Hugging Face cache for a hub id or a named
+benchmark while offline).
 The loaders still check what they read in full (formats, manifests, checksums).
 """
 
@@ -14,8 +15,8 @@ from pathlib import Path
 from eagleforge.checkpoint import TRAINING_STATE
 from eagleforge.config import EagleForgeConfig
 from eagleforge.data.conversations import expand_sources, source_files
-from eagleforge.errors import ConfigError
-from eagleforge.speculative.prompts import BUNDLED
+from eagleforge.errors import ConfigError, DataError
+from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.target.source import check_model_path
 
 
@@ -41,7 +42,7 @@ def check_inputs(
             if config.data.eval_path:
                 expand_sources([config.data.eval_path])
     if prompts or config.trainer.eval_tau_every_n_steps:
-        check_prompts(config.eval.prompts)
+        check_prompts(config.eval.prompt_sets())
     if config.model.draft_init and not Path(config.model.draft_init).is_dir():
         raise ConfigError(
             f"model.draft_init={config.model.draft_init}: no such directory; give a "
@@ -64,9 +65,15 @@ def check_feature_store(store: str) -> None:
         )
 
 
-def check_prompts(prompts: str) -> None:
-    if prompts not in BUNDLED and not Path(prompts).is_file():
-        raise ConfigError(
-            f"eval.prompts={prompts}: no such file; give a jsonl path or one of: "
-            f"{', '.join(sorted(BUNDLED))}."
-        )
+def check_prompts(prompts: list[str]) -> None:
+    """Every eval.prompts entry is a file, a bundled set, or a benchmark the hub can give:
+    while the hub is offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), one in the local cache
+    (mtbench falls back to the bundled set). Nothing is fetched."""
+    for text in prompts:
+        try:
+            spec = parse_spec(text)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        bench = spec.bench
+        if bench and spec.path is None and bench.fallback is None and hub_unavailable(bench):
+            raise ConfigError(offline_message(bench))

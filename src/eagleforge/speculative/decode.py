@@ -57,8 +57,11 @@ class EvalConfig:
     # Draft to evaluate: a training checkpoint (…/checkpoints/step_N), an exported SGLang
     # draft directory, or a directory of checkpoints (each is evaluated; τ plotted by step).
     draft: str | None = None
-    # Prompt set: mtbench (bundled, 40 prompts in 8 categories) or a jsonl path.
-    prompts: str = "mtbench"
+    # Prompt set, or a list of them (each measured on its own, then one table across them): a
+    # benchmark (mtbench, humaneval, gsm8k, math500; NAME:PATH reads a local copy of its rows),
+    # mtbench_style (bundled, 40 prompts in 8 categories) or a jsonl path. str | list[str]:
+    # typed Any because OmegaConf cannot type a union of a string and a list.
+    prompts: Any = "mtbench"
     # Every user turn of a prompt (answered by the model in turn), not only the first.
     multi_turn: bool = False
     # At most this many prompts; null = all.
@@ -77,6 +80,7 @@ class EvalConfig:
     baseline: bool = True
 
     def __post_init__(self) -> None:
+        self.prompt_sets()  # raises ConfigError for anything but a name or a list of names
         for name in ("max_new_tokens", "num_draft_tokens", "topk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"eval.{name} must be >= 1, got {getattr(self, name)}.")
@@ -86,6 +90,24 @@ class EvalConfig:
             )
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}.")
+
+    def prompt_sets(self) -> list[str]:
+        """``prompts`` as a list of entries (``eval.prompts=gsm8k`` and
+        ``eval.prompts=[mtbench,gsm8k]`` alike)."""
+        sets = [self.prompts] if isinstance(self.prompts, str) else self.prompts
+        if (
+            not isinstance(sets, list | tuple)
+            or not sets
+            or not all(isinstance(s, str) and s.strip() for s in sets)
+        ):
+            raise ConfigError(
+                f"eval.prompts must be a prompt set or a list of them (e.g. mtbench, or "
+                f"[mtbench,gsm8k,humaneval]), got {self.prompts!r}."
+            )
+        duplicates = sorted({s for s in sets if sets.count(s) > 1})
+        if duplicates:
+            raise ConfigError(f"eval.prompts names {', '.join(duplicates)} twice; list each once.")
+        return list(sets)
 
     def settings(self) -> DecodeSettings:
         return DecodeSettings(
@@ -114,6 +136,11 @@ class DecodeResult:
     seconds: float
     target_forwards: int  # including the prefill
     accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted per round
+    # wall seconds by part of a round (speculative decoding only): "prefill" (target and draft
+    # over the prompt), "draft" (drafting), "verify" (the target's forward over the drafts),
+    # "commit" (acceptance, cache trimming, the draft extended over the accepted tokens)
+    seconds_by_part: dict[str, float] = field(default_factory=dict)
+    draft_steps: int = 0  # draft-layer passes while drafting (one per depth)
 
 
 @dataclass
@@ -334,6 +361,7 @@ class SpeculativeDecoder:
     ) -> DecodeResult:
         """Speculative decoding of one prompt (with its images, for a vision-language target)."""
         start = time.perf_counter()
+        parts = dict.fromkeys(("prefill", "draft", "verify", "commit"), 0.0)
         device = self.target.device
         self.target.reset()
         self.draft.reset()
@@ -347,22 +375,31 @@ class SpeculativeDecoder:
         hidden = self.draft.extend(draft_tokens, aux, prompt_positions)
         root_hidden = hidden[-1]
         accepted_lengths: list[int] = []
+        clock = time.perf_counter()
+        parts["prefill"] = clock - start
         while not self._done(output):
             length = len(prompt) + len(output) - 1  # L: position of the latest token
             nodes = self._draft_tree(root_hidden, length, generator)
-            accepted, bonus, aux = self._verify(token, nodes, length, generator)
+            clock = _lap(parts, "draft", clock)
+            logits, aux = self._verify_forward(token, nodes, length)
+            clock = _lap(parts, "verify", clock)
+            accepted, bonus = self._walk(logits, nodes, generator)
             accepted_lengths.append(len(accepted))
             new_tokens = [nodes[i].token for i in accepted] + [bonus]
             self.target.keep(length, [0] + [i + 1 for i in accepted])
             positions = self.rope(torch.arange(length, length + len(new_tokens), device=device))
+            aux = aux[[0] + [i + 1 for i in accepted]]
             hidden = self.draft.extend(torch.tensor(new_tokens, device=device), aux, positions)
             root_hidden, token = hidden[-1], bonus
             output.extend(new_tokens)
+            clock = _lap(parts, "commit", clock)
         return DecodeResult(
             output_ids=self._trim(output),
             seconds=time.perf_counter() - start,
             target_forwards=self.target.forwards,
             accepted_lengths=accepted_lengths,
+            seconds_by_part=parts,
+            draft_steps=len(accepted_lengths) * self.settings.num_draft_tokens,
         )
 
     @torch.no_grad()
@@ -499,11 +536,10 @@ class SpeculativeDecoder:
 
     # --- verification ----------------------------------------------------------------------------
 
-    def _verify(
-        self, root_token: int, nodes: list[Node], length: int, generator: torch.Generator
-    ) -> tuple[list[int], int, torch.Tensor]:
-        """Target forward over the root and the nodes; the accepted node indices along one
-        path, the bonus token, and the aux features of the root and the accepted nodes."""
+    def _verify_forward(
+        self, root_token: int, nodes: list[Node], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over the root and the nodes: their logits and aux features."""
         device = self.target.device
         tokens = torch.tensor([root_token] + [n.token for n in nodes], device=device)
         positions = self.rope(
@@ -511,7 +547,13 @@ class SpeculativeDecoder:
         )
         is_path = all(n.parent == i - 1 for i, n in enumerate(nodes))
         mask = None if is_path else _tree_mask(nodes).to(device)
-        logits, aux = self.target.forward(tokens, positions, mask)
+        return self.target.forward(tokens, positions, mask)
+
+    def _walk(
+        self, logits: torch.Tensor, nodes: list[Node], generator: torch.Generator
+    ) -> tuple[list[int], int]:
+        """Down the verified tree from the root: the accepted node indices along one path and
+        the target's bonus token."""
         accepted: list[int] = []
         row = 0  # verification row of the current node (0 = root)
         while True:
@@ -524,7 +566,7 @@ class SpeculativeDecoder:
                 break
             accepted.append(children[chosen])
             row = children[chosen] + 1
-        return accepted, bonus, aux[[0] + [i + 1 for i in accepted]]
+        return accepted, bonus
 
     def _accept(
         self, logits_V: torch.Tensor, children: list[Node], generator: torch.Generator
@@ -579,6 +621,13 @@ def eos_ids(tokenizer: Any, target: HFTarget) -> set[int]:
     configured = getattr(generation, "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
     return {int(i) for i in ids if i is not None}
+
+
+def _lap(parts: dict[str, float], part: str, since: float) -> float:
+    """Add the time since ``since`` to ``parts[part]``; returns now."""
+    now = time.perf_counter()
+    parts[part] += now - since
+    return now
 
 
 def _hidden(node: Node) -> torch.Tensor:

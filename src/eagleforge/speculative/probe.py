@@ -6,16 +6,17 @@ import torch
 
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.speculative.decode import EvalConfig, SpeculativeDecoder, eos_ids
-from eagleforge.speculative.prompts import PromptRenderer, load_prompts
+from eagleforge.speculative.prompts import PromptRenderer, load_prompt_sets
 from eagleforge.speculative.report import TurnRecord, summarise
 from eagleforge.target.hf import HFTarget
 
 
 class TauProbe:
-    """Measures τ of a draft on the first ``num_prompts`` prompts of ``cfg.prompts`` (first
-    turns, no baseline), with the decoding settings of ``cfg``; the same seeds every time, so
-    successive measurements differ only by the draft. ``renderer`` renders them as
-    ``eagleforge.evaluate`` does (with their images, for a vision-language target)."""
+    """Measures τ of a draft on the first ``num_prompts`` prompts of each set of
+    ``cfg.prompts`` (first turns, no baseline), pooled into one τ, with the decoding settings
+    of ``cfg``; the same seeds every time, so successive measurements differ only by the
+    draft. ``renderer`` renders them as ``eagleforge.evaluate`` does (a benchmark's system
+    prompt or few-shot examples first; images, for a vision-language target)."""
 
     def __init__(
         self,
@@ -28,9 +29,13 @@ class TauProbe:
         self.cfg, self.target, self.seed = cfg, target, seed
         self.eos_ids = eos_ids(renderer.tokenizer, target)
         vlm = renderer.processor is not None
-        items = load_prompts(cfg.prompts, multi_turn=False, limit=num_prompts, images_allowed=vlm)
+        sets = load_prompt_sets(cfg.prompt_sets(), False, num_prompts, images_allowed=vlm)
         # rendered (and their images processed) once: the same inputs at every measurement
-        self.prompts = [(item.id, *renderer([item.message(0)], item.where)) for item in items]
+        self.prompts = [
+            (item.id, *renderer([*item.context, item.message(0)], item.where))
+            for prompt_set in sets
+            for item in prompt_set.items
+        ]
 
     def __call__(self, draft: Eagle3Draft) -> float:
         was_training = draft.training

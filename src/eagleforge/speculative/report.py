@@ -1,9 +1,12 @@
 """What the evaluator reports: τ, per-position acceptance, speed and speedup; as a console
-table, a JSON summary, a jsonl of every turn, and PNG plots."""
+table, a JSON summary, a jsonl of every turn, PNG plots, and one table (csv and markdown)
+and plot across prompt sets."""
 
 from __future__ import annotations
 
+import csv
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,9 +37,12 @@ class Summary:
     baseline_tokens_per_s: float | None
     speedup: float | None
     greedy_matches_target: bool | None  # temperature 0 with a baseline: outputs identical
+    prompt_set: str = ""  # the eval.prompts set it was measured on
 
 
-def summarise(draft: str, records: list[TurnRecord], depth: int, greedy: bool) -> Summary:
+def summarise(
+    draft: str, records: list[TurnRecord], depth: int, greedy: bool, prompt_set: str = ""
+) -> Summary:
     accepted = [a for r in records for a in r.speculative.accepted_lengths]
     reached = [sum(1 for a in accepted if a >= j) for j in range(depth + 1)]
     rates = [reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, depth + 1)]
@@ -67,6 +73,7 @@ def summarise(draft: str, records: list[TurnRecord], depth: int, greedy: bool) -
         baseline_tokens_per_s=baseline_speed,
         speedup=speed / baseline_speed if baseline_speed else None,
         greedy_matches_target=matches,
+        prompt_set=prompt_set,
     )
 
 
@@ -76,6 +83,7 @@ def table(summary: Summary) -> str:
 
     rows = [
         ("draft", summary.draft),
+        ("prompt set", summary.prompt_set or "-"),
         ("prompt turns", str(summary.num_turns)),
         ("τ (tokens per verification forward)", f"{summary.tau:.3f}"),
         (
@@ -140,17 +148,95 @@ def plot_acceptance(summary: Summary, path: Path) -> Path:
     return path
 
 
-def plot_tau_by_step(points: list[tuple[int, float]], path: Path) -> Path:
-    """τ against the training step of each evaluated checkpoint."""
+def plot_tau_by_step(points: dict[str, list[tuple[int, float]]], path: Path) -> Path:
+    """τ against the training step of each evaluated checkpoint, one line per prompt set."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s for s, _ in points], [t for _, t in points], marker="o")
+    for name, series in points.items():
+        ax.plot([s for s, _ in series], [t for _, t in series], marker="o", label=name)
+    if len(points) > 1:
+        ax.legend()
     ax.set_xlabel("training step")
     ax.set_ylabel("τ")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# the columns of the table across prompt sets: (header, value of a Summary)
+SET_COLUMNS: list[tuple[str, Callable[[Summary], object]]] = [
+    ("draft", lambda s: Path(s.draft).name),
+    ("prompt set", lambda s: s.prompt_set),
+    ("turns", lambda s: s.num_turns),
+    ("tau", lambda s: round(s.tau, 3)),
+    ("accept pos 1", lambda s: round(s.acceptance_by_position[0], 3)),
+    ("tokens/s", lambda s: round(s.tokens_per_s, 1)),
+    ("tokens/s target", lambda s: _round(s.baseline_tokens_per_s, 1)),
+    ("speedup", lambda s: _round(s.speedup, 2)),
+    ("greedy = target", lambda s: s.greedy_matches_target),
+]
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _cells(summary: Summary) -> list[str]:
+    return ["-" if (v := value(summary)) is None else str(v) for _, value in SET_COLUMNS]
+
+
+def sets_table(summaries: list[Summary]) -> str:
+    """One markdown table row per (draft, prompt set): τ, first-position acceptance, speed."""
+    headers = [h for h, _ in SET_COLUMNS]
+    rows = [_cells(s) for s in summaries]
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def write_sets_table(summaries: list[Summary], out_dir: Path) -> list[Path]:
+    """summary.csv and summary.md: the table across prompt sets, for MLflow and for people."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path = out_dir / "summary.csv", out_dir / "summary.md"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([h for h, _ in SET_COLUMNS])
+        writer.writerows(["" if c == "-" else c for c in _cells(s)] for s in summaries)
+    md_path.write_text(sets_table(summaries) + "\n")
+    return [csv_path, md_path]
+
+
+def plot_tau_by_set(summaries: list[Summary], path: Path) -> Path:
+    """Bars of τ per prompt set, one bar per draft in each group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(dict.fromkeys(s.prompt_set for s in summaries))
+    drafts = list(dict.fromkeys(s.draft for s in summaries))
+    tau = {(s.draft, s.prompt_set): s.tau for s in summaries}
+    width = 0.8 / len(drafts)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(sets)), 3.5))
+    for i, draft in enumerate(drafts):
+        xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(sets))]
+        heights = [tau.get((draft, name), 0.0) for name in sets]
+        ax.bar(xs, heights, width, label=Path(draft).name)
+    ax.set_xticks(range(len(sets)))
+    ax.set_xticklabels(sets)
+    ax.set_ylabel("τ")
+    ax.axhline(1.0, color="grey", linewidth=0.8)  # τ = 1: the draft never helps
+    if len(drafts) > 1:
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
