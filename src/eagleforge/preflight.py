@@ -14,7 +14,9 @@ from pathlib import Path
 
 from eagleforge.checkpoint import TRAINING_STATE
 from eagleforge.config import EagleForgeConfig
-from eagleforge.data.conversations import expand_sources, source_files
+from eagleforge.data.conversations import DataFormat, expand_sources, source_files
+from eagleforge.data.corpora import check_hub_source
+from eagleforge.data.dataset import DataConfig, config_hub_source, mixture_hub_source
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.target.source import check_model_path
@@ -38,7 +40,7 @@ def check_inputs(
         if config.data.features:
             check_feature_store(config.data.features)
         else:
-            source_files(config.data.format, config.data.sources())
+            check_data_source(config.data)
             if config.data.eval_path:
                 expand_sources([config.data.eval_path])
     if prompts or config.trainer.eval_tau_every_n_steps:
@@ -54,6 +56,22 @@ def check_inputs(
             f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
             "checkpoints/step_* directory, auto or never."
         )
+
+
+def check_data_source(data: DataConfig) -> None:
+    """The training rows can be read: their files exist; a hub data set (each hub corpus of a
+    mixture) is in the local cache or, online, on a reachable hub (one small request)."""
+    patterns = data.sources()
+    if patterns or data.format == DataFormat.chitchat:
+        source_files(data.format, patterns)
+    elif data.mixture:
+        for index, entry in enumerate(data.mixture):
+            if entry.path:
+                expand_sources([entry.path])
+            else:
+                check_hub_source(mixture_hub_source(data, index))
+    elif data.hub_id:
+        check_hub_source(config_hub_source(data))
 
 
 def check_feature_store(store: str) -> None:

@@ -83,7 +83,7 @@ def test_missing_model_names_the_choices() -> None:
 def test_missing_data_path_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"data\.path is required"):
         to_typed(
-            compose_config(["+model=tiny", "data=sharegpt", "output_dir=/tmp/unused"])
+            compose_config(["+model=tiny", "data=jsonl", "output_dir=/tmp/unused"])
         ).data.sources()
 
 

@@ -6,6 +6,10 @@ dataset directory, a glob of those, or the bundled chitchat-dataset package. Row
 - ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system" | "tool" | ..., "value": "..."}]}``
 - OpenAI:   ``{"messages": [{"role": ..., "content": ..., "reasoning_content"?: ..., "tool_calls"?: [...]}]}``
 - preformatted (``data.preformatted=true``): ``{"text": "<chat template already applied>"}``
+- corpus rows of another shape, turned into OpenAI rows by a row converter (``ROW_CONVERTERS``):
+  GSM8K ``{"question", "answer"}``, OpenCoder SFT ``{"instruction", "output"}``. ShareGPT
+  turns may also be ``{"role", "content"}`` (SpecForge's prepared files, the regenerated
+  PerfectBlend sets). Named hub corpora (data=ultrachat, ...) are in ``eagleforge.data.corpora``.
 
 Images (``data.is_vlm=true``, vision-language targets; see docs/vlm.md): a user turn lists
 image files in ``"images": [...]`` (or one in ``"image"``), or its OpenAI ``content`` is a list
@@ -60,6 +64,8 @@ class DataFormat(str, Enum):
     sharegpt = "sharegpt"
     openai = "openai"
     chitchat = "chitchat"  # the bundled chitchat-dataset package; no path
+    gsm8k = "gsm8k"  # {"question", "answer"}: one user turn, one reply (GSM8K, config main)
+    opencoder = "opencoder"  # {"instruction", "output"}: OpenCoder-LLM/opc-sft-stage1
 
 
 class SkipReason(str, Enum):
@@ -290,6 +296,43 @@ def _resolve_images(paths: list[str], where: str) -> list[str]:
     return resolved
 
 
+# GSM8K's calculator annotations (``48/2 = <<48/2=24>>24``): a tool trace no chat model writes.
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+
+
+def _pair_row(row: dict[str, Any], prompt_key: str, reply_key: str, where: str) -> dict[str, Any]:
+    """A {prompt, reply} row -> an OpenAI row of one user turn and one assistant turn."""
+    for key in (prompt_key, reply_key):
+        if key not in row:
+            raise RowError(
+                SkipReason.malformed_row,
+                where,
+                f"missing the '{key}' field; a row needs '{prompt_key}' and '{reply_key}'.",
+            )
+    return {
+        "messages": [
+            {"role": "user", "content": row[prompt_key]},
+            {"role": "assistant", "content": row[reply_key]},
+        ]
+    }
+
+
+def _gsm8k_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    converted = _pair_row(row, "question", "answer", where)
+    reply = converted["messages"][1]
+    if isinstance(reply["content"], str):
+        reply["content"] = _CALCULATOR.sub("", reply["content"])
+    return converted
+
+
+def _opencoder_row(row: dict[str, Any], where: str) -> dict[str, Any]:
+    return _pair_row(row, "instruction", "output", where)
+
+
+# Corpus row shapes -> OpenAI rows (``{"messages": [...]}``); other columns are dropped.
+ROW_CONVERTERS = {DataFormat.gsm8k: _gsm8k_row, DataFormat.opencoder: _opencoder_row}
+
+
 def normalise_row(
     row: Any,
     fmt: DataFormat,
@@ -308,6 +351,8 @@ def normalise_row(
             where,
             f"expected a JSON object per conversation, got {type(row).__name__}.",
         )
+    if fmt in ROW_CONVERTERS:
+        row, fmt = ROW_CONVERTERS[fmt](row, where), DataFormat.openai
     if fmt in (DataFormat.auto, DataFormat.chitchat):
         # Tables (parquet, HF datasets) hold both columns when formats mix: look at the values.
         fmt = (
@@ -332,6 +377,10 @@ def normalise_row(
         if row.get(field) is not None
         for path in _image_list(row[field], where, field)
     ]
+    first = turns[0] if turns else None
+    if fmt == DataFormat.sharegpt and isinstance(first, dict) and "from" not in first:
+        # a ShareGPT list of OpenAI turns (SpecForge's prepared files, regenerated PerfectBlend)
+        role_key, content_key = "role", "content"
     for index, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn:
             raise RowError(

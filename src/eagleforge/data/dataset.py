@@ -2,7 +2,10 @@
 
 Preprocessed data is cached under ``<cache_dir>/data/<key>`` where the key hashes the *content*
 of every input file, the tokenizer and chat template, and every option that changes the result:
-editing a file rebuilds it even when its path is unchanged, and nothing else does. Entries are
+editing a file rebuilds it even when its path is unchanged, and nothing else does. A hub data
+set (``data=ultrachat``) or a mixture (``data=mix``; ``eagleforge.data.corpora``) is keyed by its
+hub id, subset, split, revision and ``datasets``' fingerprint of the downloaded files (and each
+corpus's share and the mixture seed). Entries are
 written to a temporary directory and renamed, so a crash never leaves one that later loads; the
 temporary directory of a killed write is removed by a later lookup (``eagleforge.tempdirs``).
 
@@ -41,6 +44,15 @@ from eagleforge.data.conversations import (
     read_rows,
     source_files,
 )
+from eagleforge.data.corpora import (
+    CORPORA,
+    HubSource,
+    MixSource,
+    Mixture,
+    RowSource,
+    quotas,
+    reservoir,
+)
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
 from eagleforge.data.template import (
@@ -76,12 +88,28 @@ class DataConfig:
 
     # Short name of the data set, used in run names.
     name: str = MISSING
-    # Row format (auto | sharegpt | openai) or the bundled chitchat set.
+    # Row format (auto | sharegpt | openai | gsm8k | opencoder) or the bundled chitchat set.
     format: DataFormat = DataFormat.auto
     # Training data: a .jsonl/.json/.parquet file, a saved HF dataset dir, or a glob of them.
+    # Set, it wins over hub_id and mixture (a local copy of a named corpus: same converter).
     path: str | None = None
     # More training sources (files, dirs or globs), read after `path`.
     extra_paths: list[str] = field(default_factory=list)
+    # A Hugging Face Hub data set read when path is null (data=ultrachat, ...; docs/datasets.md).
+    hub_id: str | None = None
+    # The hub data set's config name (load_dataset's `name`, e.g. main for GSM8K); null = default.
+    subset: str | None = None
+    # The hub split to train on.
+    split: str = "train"
+    # Hub revision: a commit sha, tag or branch; null = main (pin a commit to reproduce a run).
+    revision: str | None = None
+    # Read the hub data set row by row instead of downloading it whole (large corpora).
+    streaming: bool = False
+    # Corpora mixed into one training set when path is null (data=mix): each a corpus name
+    # with num_samples or weight; deduplicated by content (see eagleforge.data.corpora).
+    mixture: list[MixSource] = field(default_factory=list)
+    # Seed of the mixture's per-corpus sampling and interleaving.
+    mix_seed: int = 0
     # Held-out data (same kinds as path); null = hold out num_eval_samples of the training rows.
     eval_path: str | None = None
     # Conversations held out for eval when eval_path is null (0 = no eval); null = 5% of the
@@ -146,6 +174,10 @@ class DataConfig:
             raise ConfigError(
                 "data.preformatted=true needs a file of {'text': ...} rows, not data=chitchat."
             )
+        if self.extra_paths and not self.path:
+            raise ConfigError(
+                "data.extra_paths are read after data.path, which is not set; set data.path."
+            )
 
     def _check_vlm(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -169,9 +201,15 @@ class DataConfig:
                 )
 
     def sources(self) -> list[str]:
-        """The files to read; ConfigError when the format needs a path and none is set
-        (checked here, not at config time: entry points that read no data need none)."""
-        if self.format != DataFormat.chitchat and not self.path:
+        """The files to read (none for chitchat, a hub data set or a mixture); ConfigError
+        when the data needs a path and none is set (checked here, not at config time: entry
+        points that read no data need none)."""
+        if (
+            self.format != DataFormat.chitchat
+            and not self.path
+            and not self.hub_id
+            and not self.mixture
+        ):
             raise ConfigError(
                 f"data.path is required for data '{self.name}' (format={self.format.value}): "
                 "set data.path=/path/to/conversations.jsonl."
@@ -476,6 +514,81 @@ def _load(entry: Path) -> tuple[TokenizedDataset, DataReport]:
     return TokenizedDataset(columns["input_ids"], columns["loss_mask"]), report
 
 
+@dataclass
+class FileSource:
+    """Rows of local files (or the bundled chitchat file), read in order."""
+
+    fmt: DataFormat
+    files: list[Path]
+
+    def describe(self) -> str:
+        return ", ".join(map(str, self.files))
+
+    def identity(self) -> dict[str, Any]:
+        return {"files": [file_digest(f) for f in self.files]}
+
+    def rows(self, seed: int = 0, quota: int | None = None) -> Iterator[RawRow]:
+        rows = read_rows(self.fmt, self.files)
+        return rows if quota is None else iter(reservoir(rows, quota, seed))
+
+
+def mixture_hub_source(cfg: DataConfig, index: int) -> HubSource:
+    """Mixture entry ``index``'s corpus on the hub."""
+    entry = cfg.mixture[index]
+    corpus = CORPORA[entry.corpus]
+    return HubSource(
+        f"data={cfg.name} corpus {entry.corpus}",
+        corpus.hub_id,
+        corpus.format,
+        entry.split or corpus.split,
+        corpus.subset,
+        entry.revision,
+        corpus.streaming,
+        path_field=f"data.mixture.{index}.path",
+    )
+
+
+def config_hub_source(cfg: DataConfig) -> HubSource:
+    """The hub data set of a data config without a path (data=ultrachat, ...)."""
+    assert cfg.hub_id is not None
+    return HubSource(
+        f"data={cfg.name}",
+        cfg.hub_id,
+        cfg.format,
+        cfg.split,
+        cfg.subset,
+        cfg.revision,
+        cfg.streaming,
+    )
+
+
+def row_source(cfg: DataConfig, fmt: DataFormat, patterns: list[str]) -> RowSource:
+    """Where rows come from: the files of ``patterns`` (the bundled file for chitchat); with
+    none (``cfg.sources()`` gives none for them), ``cfg``'s mixture or hub data set."""
+    if patterns or fmt == DataFormat.chitchat:
+        return FileSource(fmt, source_files(fmt, patterns))
+    if cfg.mixture:
+        parts: list[tuple[RowSource, int | None]] = []
+        counts = quotas(cfg.mixture, cfg.max_num_samples)
+        for index, (entry, count) in enumerate(zip(cfg.mixture, counts, strict=True)):
+            entry_format = CORPORA[entry.corpus].format
+            part: RowSource = (
+                FileSource(entry_format, source_files(entry_format, [entry.path]))
+                if entry.path
+                else mixture_hub_source(cfg, index)
+            )
+            parts.append((part, count))
+        return Mixture(parts, cfg.mix_seed)
+    if cfg.hub_id:
+        return config_hub_source(cfg)
+    return FileSource(fmt, source_files(fmt, cfg.sources()))  # ConfigError: no path
+
+
+def training_source(cfg: DataConfig) -> RowSource:
+    """The training rows of ``cfg`` (files, hub data set or mixture), as preprocessing reads them."""
+    return row_source(cfg, cfg.format, cfg.sources())
+
+
 def preprocess_source(
     cfg: DataConfig,
     fmt: DataFormat,
@@ -487,7 +600,8 @@ def preprocess_source(
 ) -> tuple[TokenizedDataset, DataReport, Path]:
     """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir.
 
-    With ``processor`` (vision-language data) the cache is bypassed (see the module docstring);
+    ``patterns``: the files to read; none (``cfg.sources()`` for a hub data set or a mixture):
+    ``cfg``'s hub data set or mixture (``row_source``). With ``processor`` (vision-language data) the cache is bypassed (see the module docstring);
     the entry dir is then only a name for this data and settings."""
     if cfg.is_vlm and processor is None:
         raise ConfigError(
@@ -498,10 +612,10 @@ def preprocess_source(
     if processor is not None:
         vision = vision_settings(processor, cfg.min_pixels, cfg.max_pixels)
         tokenizer = processor.tokenizer
-    files = source_files(fmt, patterns)
+    source = row_source(cfg, fmt, patterns)
     key_parts: dict[str, Any] = {
-        "files": [file_digest(f) for f in files],
-        "format": fmt.value,
+        **source.identity(),
+        "format": source.fmt.value,
         "tokenizer": tokenizer_digest(tokenizer),
         "template": cfg.template,
         "preformatted": cfg.preformatted,
@@ -521,7 +635,7 @@ def preprocess_source(
     if vision is None and (entry / "report.json").exists():
         return (*_load(entry), entry)
     settings = _Settings(
-        fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn, vision
+        source.fmt, cfg.preformatted, cfg.max_length, cfg.truncate, cfg.train_only_last_turn, vision
     )
     renderer = make_renderer(
         cfg.template,
@@ -530,11 +644,11 @@ def preprocess_source(
         processor.chat_template if processor is not None else None,
     )
     dataset, report = preprocess_rows(
-        read_rows(fmt, files), renderer, tokenizer, settings, cfg.on_error, cfg.num_proc, limit
+        source.rows(), renderer, tokenizer, settings, cfg.on_error, cfg.num_proc, limit
     )
     if report.kept == 0:
         raise DataError(
-            f"{', '.join(map(str, files))}: no usable conversation ({report.summary()}); check the rows and data.format, or inspect them with python -m eagleforge.inspect_data."
+            f"{source.describe()}: no usable conversation ({report.summary()}); check the rows and data.format, or inspect them with python -m eagleforge.inspect_data."
         )
     if vision is None:
         write_atomically(

@@ -38,10 +38,9 @@ from eagleforge.data.conversations import (
     Conversation,
     RowError,
     normalise_row,
-    read_rows,
     source_files,
 )
-from eagleforge.data.dataset import DataConfig, OnError
+from eagleforge.data.dataset import DataConfig, OnError, training_source
 from eagleforge.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -170,16 +169,16 @@ class Row:
 
 def read_input(data: DataConfig, limit: int | None) -> tuple[list[Row], list[dict[str, Any]]]:
     """The conversations to regenerate and the rows that could not be read (data.on_error)."""
-    files = source_files(data.format, data.sources())
+    source = training_source(data)  # files, a hub data set or a mixture
     rows: list[Row] = []
     bad: list[dict[str, Any]] = []
-    for where, raw in read_rows(data.format, files):
+    for where, raw in source.rows():
         if limit is not None and len(rows) + len(bad) >= limit:
             break
         try:
             if isinstance(raw, RowError):
                 raise raw
-            messages = normalise_row(raw, data.format, where)
+            messages = normalise_row(raw, source.fmt, where)
         except RowError as e:
             if data.on_error == OnError["raise"]:
                 raise ConfigError(
