@@ -10,7 +10,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo test test-all lint format bench mlflow-server clean
+.PHONY: help venv demo test test-all lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -68,6 +68,15 @@ mlflow-server: $(STAMP) ## Serve MLflow for shared tracking on 127.0.0.1:5000 (M
 		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) --workers 1 \
 		--backend-store-uri sqlite:///$(abspath $(MLFLOW_DIR))/mlflow.db \
 		--artifacts-destination $(abspath $(MLFLOW_DIR))/mlartifacts $(MLFLOW_SERVER_ARGS)
+
+# The GPU acceptance check (docs/performance.md#gpu-acceptance-check): what the GPU image lacks,
+# downloaded here for Python 3.12 on x86-64 Linux, carried to the GPU machine (64 MiB at most).
+GPU_WHEELS ?= gpu-wheels
+gpu-wheels: $(STAMP) ## Download the GPU check's wheels and fixtures into gpu-wheels/ (< 64 MiB)
+	$(OFFLINE) $(PY) scripts/gpu_check.py bundle --wheels $(GPU_WHEELS)
+
+gpu-check-dry-run: ## List the GPU check's parts, commands and timeouts; check gpu-wheels/
+	PYTHON=$(PY) bash scripts/gpu_check.sh --dry-run --wheels $(GPU_WHEELS)
 
 clean: ## Remove run outputs (not the venv or the model/data cache)
 	rm -rf outputs multirun .pytest_cache

