@@ -358,7 +358,9 @@ def test_mixture_trains_and_its_cache_key_follows_the_recipe(  # type: ignore[no
     assert prepared.report.kept == 4 + 2 and prepared.report.skipped == {
         "empty_content": 2,
         "no_assistant_turn": 2,
+        "duplicate": 1,  # data/skipped_duplicate in MLflow
     }
+    assert prepared.report.rows == 8 + 3
     reseeded = mixture(*entries, seed=7)
     reseeded.num_eval_samples = 0
     assert build_datasets(reseeded, smollm2_tokenizer, tmp_path, seed=0).cache_key != (
@@ -384,3 +386,12 @@ def test_mixture_of_hub_corpora_samples_each_with_the_seed(
     assert len(rows) == 4 and [where for where, _ in mixed_rows(mixture(*entries))] == [
         where for where, _ in rows
     ]
+
+
+def test_eval_path_of_a_converted_corpus_uses_its_converter(  # type: ignore[no-untyped-def]
+    smollm2_tokenizer, tmp_path: Path
+) -> None:
+    gsm8k = CORPORA_DIR / FIXTURE["gsm8k"]
+    data = data_config("gsm8k", f"data.path={gsm8k}", f"data.eval_path={gsm8k}")
+    prepared = build_datasets(data, smollm2_tokenizer, tmp_path, seed=0)
+    assert prepared.eval is not None and len(prepared.eval) == 2

@@ -24,7 +24,7 @@ import logging
 import os
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -250,6 +250,7 @@ class Mixture:
     parts: list[tuple[RowSource, int | None]]  # each source and how many rows to take
     seed: int
     fmt: DataFormat = DataFormat.openai
+    duplicates: int = field(default=0, init=False)  # left out by the last rows()
 
     def describe(self) -> str:
         return " + ".join(source.describe() for source, _ in self.parts)
@@ -285,6 +286,7 @@ class Mixture:
                 kept.append((where, {"messages": messages, "id": row.get("id", where)}))
         if duplicates:
             log.info("data mixture: %d duplicate conversations left out", duplicates)
+        self.duplicates = duplicates
         random.Random(self.seed).shuffle(kept)
         yield from kept
 

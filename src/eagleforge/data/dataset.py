@@ -35,6 +35,7 @@ from omegaconf import MISSING
 from tqdm.auto import tqdm
 
 from eagleforge.data.conversations import (
+    ROW_CONVERTERS,
     DataFormat,
     RawRow,
     RowError,
@@ -646,6 +647,9 @@ def preprocess_source(
     dataset, report = preprocess_rows(
         source.rows(), renderer, tokenizer, settings, cfg.on_error, cfg.num_proc, limit
     )
+    if isinstance(source, Mixture) and source.duplicates:  # read, and left out before this
+        report.rows += source.duplicates
+        report.skipped["duplicate"] = source.duplicates
     if report.kept == 0:
         raise DataError(
             f"{source.describe()}: no usable conversation ({report.summary()}); check the rows and data.format, or inspect them with python -m eagleforge.inspect_data."
@@ -718,8 +722,10 @@ def build_datasets(
             "data %s: conversations with images are not cached; preprocessed each run", cfg.name
         )
     if cfg.eval_path:
+        # rows of a converter's shape (gsm8k's test split) need it; others are told apart per row
+        eval_format = cfg.format if cfg.format in ROW_CONVERTERS else DataFormat.auto
         held_out, _, _ = preprocess_source(
-            cfg, DataFormat.auto, [cfg.eval_path], tokenizer, cache_dir, None, processor
+            cfg, eval_format, [cfg.eval_path], tokenizer, cache_dir, None, processor
         )
         return PreparedData(full, held_out, report, entry.name)
     num_eval = num_held_out(cfg.num_eval_samples, len(full))
