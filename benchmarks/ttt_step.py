@@ -81,10 +81,10 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-# Dense (no sparsity) bf16 tensor-core peaks from the vendor data sheets, TFLOP/s, by a
-# substring of torch.cuda.get_device_name(); the SXM parts (PCIe/NVL ones are lower: pass
-# --peak-tflops). MFU is only reported where the peak is known.
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+# Dense (no sparsity) bf16 tensor-core peaks from the vendor data sheets, TFLOP/s, by the first
+# key that torch.cuda.get_device_name() contains (SXM unless named). MFU is only reported where
+# the peak is known; --peak-tflops gives it for other devices.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 
 def synchronize(device: torch.device) -> None:

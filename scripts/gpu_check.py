@@ -113,7 +113,7 @@ class Part:
     name: str
     timeout_s: int
     what: str
-    argv: list[str] = field(default_factory=list)  # empty: computed from earlier parts
+    argv: list[str] = field(default_factory=list)  # empty: done in-process (losses)
     needs_module: str | None = None  # skipped when this module cannot be imported
 
 
@@ -286,6 +286,7 @@ def setup(wheels: Path, work: Path) -> int:
 def prebuild(work: Path) -> int:
     """The tiny random targets (+model=tiny, +model=tiny_vl) from the carried tokenizer, into
     the model cache every part reads; the versions of what runs."""
+    import numpy
     import torch
     import transformers
 
@@ -306,6 +307,7 @@ def prebuild(work: Path) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
+        "numpy": numpy.__version__,  # the bundled pandas 3 needs 2.x
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "gpus": torch.cuda.device_count(),
         "flash_attn": importlib.util.find_spec("flash_attn") is not None,
