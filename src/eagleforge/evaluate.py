@@ -151,6 +151,7 @@ def evaluate_draft(
     bar.close()
     greedy = cfg.temperature == 0
     summary = summarise(name, records, cfg.num_draft_tokens, greedy, prompts.name)
+    summary.prompt_source = prompts.source
     return summary, records
 
 

@@ -38,6 +38,7 @@ class Summary:
     speedup: float | None
     greedy_matches_target: bool | None  # temperature 0 with a baseline: outputs identical
     prompt_set: str = ""  # the eval.prompts set it was measured on
+    prompt_source: str = ""  # where that set's rows came from: a hub id, a file
 
 
 def summarise(
@@ -83,7 +84,10 @@ def table(summary: Summary) -> str:
 
     rows = [
         ("draft", summary.draft),
-        ("prompt set", summary.prompt_set or "-"),
+        (
+            "prompt set",
+            f"{summary.prompt_set} ({summary.prompt_source})" if summary.prompt_set else "-",
+        ),
         ("prompt turns", str(summary.num_turns)),
         ("τ (tokens per verification forward)", f"{summary.tau:.3f}"),
         (
@@ -179,6 +183,7 @@ SET_COLUMNS: list[tuple[str, Callable[[Summary], object]]] = [
     ("tokens/s target", lambda s: _round(s.baseline_tokens_per_s, 1)),
     ("speedup", lambda s: _round(s.speedup, 2)),
     ("greedy = target", lambda s: s.greedy_matches_target),
+    ("source", lambda s: s.prompt_source),
 ]
 
 

@@ -1,0 +1,181 @@
+"""eagleforge.evaluate over several prompt sets, with a stand-in decoder: files, metrics and
+the table and plot across sets; eval.prompts as one name or a list; the preflight of named
+sets while the hub is offline."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from eagleforge.config import compose_config, to_typed
+from eagleforge.errors import ConfigError
+from eagleforge.evaluate import evaluate_sets, report_sets
+from eagleforge.preflight import check_inputs
+from eagleforge.speculative import prompts as prompts_module
+from eagleforge.speculative.decode import DecodeResult
+from eagleforge.speculative.prompts import load_prompt_sets
+
+pytestmark = pytest.mark.unit
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "benchmarks"
+GSM8K = f"gsm8k:{FIXTURES / 'gsm8k_main_test.jsonl'}"
+HUMANEVAL = f"humaneval:{FIXTURES / 'openai_humaneval_test.jsonl'}"
+
+
+def typed(*overrides: str):  # type: ignore[no-untyped-def]
+    return to_typed(compose_config(["+model=smollm2", "data=chitchat", "output_dir=.", *overrides]))
+
+
+class FakeDecoder:
+    """Three tokens per turn in two rounds (two drafts accepted, then none)."""
+
+    def generate(self, prompt_ids: list[int], generator: Any, images: Any) -> DecodeResult:
+        return DecodeResult([5, 6, 7], 0.01, 3, accepted_lengths=[2, 0])
+
+    def generate_target_only(self, prompt_ids: list[int], generator: Any, images: Any) -> Any:
+        return DecodeResult([5, 6, 7], 0.02, 4)
+
+
+class FakeRenderer:
+    def __init__(self) -> None:
+        self.tokenizer = self
+        self.conversations: list[list[dict[str, Any]]] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return "answer"
+
+    def __call__(self, messages: list[dict[str, Any]], where: str) -> tuple[list[int], None]:
+        self.conversations.append([dict(m) for m in messages])
+        return list(range(len(messages) + 1)), None
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self.artifacts: list[Path] = []
+
+    def log_config(self, params: Any, config_yaml: str) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.metrics.update(metrics)
+
+    def log_artifact(self, path: str | Path) -> None:
+        self.artifacts.append(Path(path))
+
+    def close(self) -> None:
+        pass
+
+
+def test_several_sets_give_files_metrics_and_one_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = typed(f"output_dir={tmp_path}", f"eval.prompts=[{GSM8K},{HUMANEVAL}]")
+    sets = load_prompt_sets(config.eval.prompt_sets(), multi_turn=False)
+    renderer, tracker = FakeRenderer(), Recorder()
+    draft = Path("runs/x/checkpoints/step_00000004")
+    summaries = evaluate_sets(
+        config,
+        FakeDecoder(),
+        renderer,
+        draft,
+        4,
+        sets,
+        torch.device("cpu"),
+        tracker,  # type: ignore[arg-type]
+    )
+    assert [(s.prompt_set, s.num_turns, s.tau) for s in summaries] == [
+        ("gsm8k", 2, 2.0),
+        ("humaneval", 2, 2.0),
+    ]
+    # gsm8k's five worked examples come before its question; humaneval's prompt alone
+    assert [m["role"] for m in renderer.conversations[0]] == ["user", "assistant"] * 5 + ["user"]
+    assert [m["role"] for m in renderer.conversations[-1]] == ["user"]
+    eval_dir = tmp_path / "eval"
+    for name in ("gsm8k", "humaneval"):
+        assert (eval_dir / "step_00000004" / name / "summary.json").is_file()
+        assert tracker.metrics[f"eval/{name}/tau"] == 2.0
+        assert tracker.metrics[f"eval/{name}/speedup"] == pytest.approx(2.0 * 2 / 2)
+    assert "eval/tau" not in tracker.metrics
+
+    report_sets(summaries, eval_dir, tracker)
+    with (eval_dir / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["draft"], r["prompt set"], r["tau"]) for r in rows] == [
+        ("step_00000004", "gsm8k", "2.0"),
+        ("step_00000004", "humaneval", "2.0"),
+    ]
+    assert {eval_dir / n for n in ("summary.csv", "summary.md", "tau_by_set.png")} <= set(
+        tracker.artifacts
+    )
+    assert (eval_dir / "tau_by_set.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "| step_00000004 | gsm8k" in printed and "prompt set" in printed
+
+
+def test_one_set_keeps_the_single_set_layout(tmp_path: Path) -> None:
+    config = typed(f"output_dir={tmp_path}", f"eval.prompts={HUMANEVAL}", "eval.baseline=false")
+    sets = load_prompt_sets(config.eval.prompt_sets(), multi_turn=False)
+    tracker = Recorder()
+    draft = Path("step_00000002")
+    evaluate_sets(
+        config,
+        FakeDecoder(),
+        FakeRenderer(),
+        draft,
+        2,
+        sets,
+        torch.device("cpu"),
+        tracker,  # type: ignore[arg-type]
+    )
+    assert (tmp_path / "eval" / "step_00000002" / "summary.json").is_file()
+    assert tracker.metrics["eval/tau"] == 2.0 and "eval/speedup" not in tracker.metrics
+
+
+def test_prompts_take_one_name_or_a_list_on_the_command_line() -> None:
+    assert typed("eval.prompts=mtbench").eval.prompt_sets() == ["mtbench"]
+    assert typed().eval.prompt_sets() == ["mtbench"]
+    many = typed("eval.prompts=[mtbench,gsm8k,humaneval]")
+    assert many.eval.prompt_sets() == ["mtbench", "gsm8k", "humaneval"]
+    with pytest.raises(ConfigError, match=r"eval\.prompts must be a prompt set or a list"):
+        typed("eval.prompts=[]")
+    with pytest.raises(ConfigError, match=r"eval\.prompts names gsm8k twice"):
+        typed("eval.prompts=[gsm8k,gsm8k]")
+
+
+def test_preflight_names_a_set_the_offline_hub_cannot_give(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import datasets
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the preflight fetched something")
+
+    monkeypatch.setattr(prompts_module, "hub_offline", lambda: True)
+    monkeypatch.setattr(prompts_module, "hub_cached", lambda bench: False)
+    monkeypatch.setattr(datasets, "load_dataset", no_network)
+    config = typed("eval.prompts=[mtbench,humaneval]")
+    with pytest.raises(ConfigError) as error:
+        check_inputs(config, model=False, data=False, prompts=True)
+    message = str(error.value)
+    assert message.startswith("eval.prompts=humaneval: openai/openai_humaneval is not in the")
+    assert "eval.prompts=humaneval:/path/to/test.parquet" in message and "\n" not in message
+    # mtbench falls back to the bundled set; a local copy needs no hub
+    check_inputs(
+        typed(f"eval.prompts=[mtbench,{HUMANEVAL}]"), model=False, data=False, prompts=True
+    )
+    with pytest.raises(ConfigError, match=r"eval\.prompts=gsm8k:/nope\.parquet: /nope\.parquet is"):
+        check_inputs(
+            typed("eval.prompts=gsm8k:/nope.parquet"), model=False, data=False, prompts=True
+        )
+    # in-training τ checks its prompts too
+    with pytest.raises(ConfigError, match=r"eval\.prompts=math500: HuggingFaceH4/MATH-500"):
+        check_inputs(
+            typed("eval.prompts=math500", "trainer.eval_tau_every_n_steps=5"),
+            model=False,
+            data=False,
+        )
