@@ -235,8 +235,12 @@ def quotas(entries: list[MixSource], max_num_samples: int | None) -> list[int | 
 
 
 def content_key(messages: list[dict[str, Any]]) -> str:
-    """A hash of a conversation's roles and texts, whitespace collapsed: equal chats, equal keys."""
-    normal = [[m["role"], " ".join(str(m.get("content", "")).split())] for m in messages]
+    """A hash of a conversation's roles, texts (whitespace collapsed) and tool calls: equal
+    chats, equal keys."""
+    normal = [
+        [m["role"], " ".join(str(m.get("content", "")).split()), m.get("tool_calls")]
+        for m in messages
+    ]
     return hashlib.sha256(json.dumps(normal, ensure_ascii=False).encode()).hexdigest()
 
 
