@@ -240,23 +240,66 @@ class TargetRunner:
         return out.logits[0].float(), aux[0]
 
     def keep(self, prefix: int, rows: list[int]) -> None:
-        """Keep cache entries [0, prefix) and then the given rows of the block after them."""
-        index = torch.tensor(list(range(prefix)) + [prefix + r for r in rows], device=self.device)
+        """Keep cache entries [0, prefix) and then the given rows of the block after them. Only
+        those rows move (a tree's accepted path); the prefix is cut to, never copied."""
+        end = prefix + len(rows)
+        moved = rows != list(range(len(rows)))
+        index = torch.tensor([prefix + r for r in rows], device=self.device)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+            if moved:  # index_select copies the rows before they are written over
+                layer.keys[..., prefix:end, :] = layer.keys.index_select(-2, index)
+                layer.values[..., prefix:end, :] = layer.values.index_select(-2, index)
+            layer.keys = layer.keys[..., :end, :]
+            layer.values = layer.values[..., :end, :]
 
 
 class DraftRunner:
-    """The draft with its KV cache of committed positions (step-0 style: real features)."""
+    """The draft with its KV cache of committed positions (step-0 style: real features).
+
+    The cache is a buffer that doubles when full, so committing tokens copies only them and a
+    draft step reads the cache in place: no per-step work grows with the sequence but the
+    attention itself."""
 
     def __init__(self, draft: Eagle3Draft) -> None:
         self.draft = draft.eval()
-        self.keys: torch.Tensor | None = None  # [1, K, S, D]
-        self.values: torch.Tensor | None = None
+        self.buffer_k: torch.Tensor | None = None  # [1, K, capacity, D]
+        self.buffer_v: torch.Tensor | None = None
+        self.cached = 0  # committed positions in the buffers
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.buffer_k = self.buffer_v = None
+        self.cached = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self.buffer_k is None else self.buffer_k[:, :, : self.cached]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.buffer_v is None else self.buffer_v[:, :, : self.cached]
+
+    def _reserve(self, count: int) -> None:
+        """Room for ``count`` more positions after the cached ones (doubling when full)."""
+        assert self.buffer_k is not None and self.buffer_v is not None
+        needed = self.cached + count
+        if needed > self.buffer_k.shape[2]:
+            shape = (*self.buffer_k.shape[:2], max(256, 2 * needed), self.buffer_k.shape[3])
+            grown_k, grown_v = self.buffer_k.new_empty(shape), self.buffer_v.new_empty(shape)
+            grown_k[:, :, : self.cached] = self.buffer_k[:, :, : self.cached]
+            grown_v[:, :, : self.cached] = self.buffer_v[:, :, : self.cached]
+            self.buffer_k, self.buffer_v = grown_k, grown_v
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Commit the keys and values of new positions to the cache."""
+        if self.buffer_k is None:
+            shape = (*k.shape[:2], max(256, 2 * k.shape[2]), k.shape[3])
+            self.buffer_k, self.buffer_v = k.new_empty(shape), v.new_empty(shape)
+        assert self.buffer_v is not None
+        self._reserve(k.shape[2])
+        end = self.cached + k.shape[2]
+        self.buffer_k[:, :, self.cached : end] = k
+        self.buffer_v[:, :, self.cached : end] = v
+        self.cached = end
 
     def attend(
         self,
@@ -271,18 +314,24 @@ class DraftRunner:
         own) keys; the cache is visible to all. Returns the pre-norm outputs [M, H] and the new
         keys and values."""
         q, k, v = self.draft.layer_qkv(tokens_M[None], hidden_MH[None], positions[..., None, :])
-        parts_k = [t for t in (self.keys, extra[0] if extra else None) if t is not None]
-        parts_v = [t for t in (self.values, extra[1] if extra else None) if t is not None]
-        all_k, all_v = torch.cat([*parts_k, k], dim=2), torch.cat([*parts_v, v], dim=2)
-        cached = 0 if self.keys is None else self.keys.shape[2]
-        visible = torch.ones(len(tokens_M), cached, dtype=torch.bool, device=tokens_M.device)
-        mask = torch.cat([visible, mask_MS], dim=1)
-        groups = q.shape[1] // k.shape[1]
+        new_k = k if extra is None else torch.cat([extra[0], k], dim=2)
+        new_v = v if extra is None else torch.cat([extra[1], v], dim=2)
+        if self.cached:  # the committed cache is visible to every query
+            # with the drafted keys appended in the buffer's spare room: no copy of the cache
+            assert self.buffer_k is not None and self.buffer_v is not None
+            self._reserve(new_k.shape[2])
+            end = self.cached + new_k.shape[2]
+            self.buffer_k[:, :, self.cached : end] = new_k
+            self.buffer_v[:, :, self.cached : end] = new_v
+            all_k, all_v = self.buffer_k[:, :, :end], self.buffer_v[:, :, :end]
+        else:
+            all_k, all_v = new_k, new_v
+        mask = None  # a chain step sees everything: SDPA's unmasked kernel
+        if not bool(mask_MS.all()):
+            visible = torch.ones(len(tokens_M), self.cached, dtype=torch.bool, device=q.device)
+            mask = torch.cat([visible, mask_MS], dim=1)[None, None]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            all_k.repeat_interleave(groups, dim=1),
-            all_v.repeat_interleave(groups, dim=1),
-            attn_mask=mask[None, None],
+            q, all_k, all_v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
         )
         out_MX = out.transpose(1, 2).flatten(2)
         return self.draft.layer_output(hidden_MH[None], out_MX)[0], k, v
@@ -295,8 +344,7 @@ class DraftRunner:
         hidden = self.draft.fc(features_MA.to(self.draft.fc.weight.dtype))
         causal = torch.ones(len(tokens_M), len(tokens_M), dtype=torch.bool).tril()
         out, k, v = self.attend(tokens_M, hidden, positions, None, causal.to(tokens_M.device))
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        self._append(k, v)
         return out
 
     def log_probs(self, hidden_MH: torch.Tensor, temperature: float) -> torch.Tensor:
