@@ -316,6 +316,16 @@ def hub_unavailable(bench: Benchmark) -> bool:
     return hub_offline() and not hub_cached(bench)
 
 
+def _unreachable_message(bench: Benchmark, reason: str) -> str:
+    if hub_offline():
+        return offline_message(bench)
+    return (
+        f"eval.prompts={bench.name}: could not load {bench.hub_id} from the Hugging Face hub "
+        f"({reason}); give a local copy: "
+        f"eval.prompts={bench.name}:/path/to/{bench.split}.parquet (or .jsonl)."
+    )
+
+
 def offline_message(bench: Benchmark) -> str:
     config = f", '{bench.config}'" if bench.config else ""
     return (
@@ -325,6 +335,10 @@ def offline_message(bench: Benchmark) -> str:
         f"split='{bench.split}')), or give a local copy: "
         f"eval.prompts={bench.name}:/path/to/{bench.split}.parquet (or .jsonl)."
     )
+
+
+class HubUnreachable(Exception):
+    """datasets could not load a benchmark; the message is the reason, in one line."""
 
 
 def _hub_rows(bench: Benchmark) -> list[RawRow]:
@@ -337,13 +351,8 @@ def _hub_rows(bench: Benchmark) -> list[RawRow]:
     # datasets raises many types here (ConnectionError, FileNotFoundError, its own
     # DatasetNotFoundError, huggingface_hub's offline and HTTP errors): all mean "not loadable"
     except Exception as e:
-        if hub_offline():
-            raise DataError(offline_message(bench)) from None
-        raise DataError(
-            f"eval.prompts={bench.name}: could not load {bench.hub_id} from the Hugging Face "
-            f"hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); give a "
-            f"local copy: eval.prompts={bench.name}:/path/to/{bench.split}.parquet (or .jsonl)."
-        ) from None
+        first_line = (str(e).splitlines() or [""])[0]
+        raise HubUnreachable(f"{type(e).__name__}: {first_line}") from None
     return [(f"{bench.hub_id}[{bench.split} row {i}]", row) for i, row in enumerate(table)]
 
 
@@ -372,24 +381,23 @@ def load_prompt_set(
         return PromptSet(spec.name, str(path), items)
     if spec.path is not None:
         rows, source = _local_rows(spec.path), str(spec.path)
-    elif bench.fallback is not None and hub_unavailable(bench):
-        log.info(
-            "eval.prompts=%s: the hub is offline and %s is not cached; using the bundled %s set",
-            bench.name,
-            bench.hub_id,
-            bench.fallback,
-        )
-        fallback = load_prompt_set(bench.fallback, multi_turn, limit, images_allowed)
-        return PromptSet(bench.name, fallback.source, fallback.items)
-    elif hub_unavailable(bench):
-        raise DataError(offline_message(bench))
     else:
         try:
+            if hub_unavailable(bench):  # no network call would succeed: none is made
+                raise HubUnreachable(f"the hub is offline and {bench.hub_id} is not cached")
             rows, source = _hub_rows(bench), bench.hub_id
-        except DataError as e:
+        except HubUnreachable as e:
             if bench.fallback is None:
-                raise
-            log.warning("%s; using the bundled %s set instead", e, bench.fallback)
+                raise DataError(_unreachable_message(bench, str(e))) from None
+            # offline, the bundled set is the expected default; online, a surprise
+            level = logging.INFO if hub_offline() else logging.WARNING
+            log.log(
+                level,
+                "eval.prompts=%s: using the bundled %s set (%s)",
+                bench.name,
+                bench.fallback,
+                e,
+            )
             fallback = load_prompt_set(bench.fallback, multi_turn, limit, images_allowed)
             return PromptSet(bench.name, fallback.source, fallback.items)
     items = bench.convert(bench, rows)[:limit]
