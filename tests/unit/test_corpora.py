@@ -236,8 +236,9 @@ def offline_empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     import huggingface_hub
+    from huggingface_hub import constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
     def no_network(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the offline preflight must not touch the network")
@@ -395,3 +396,39 @@ def test_eval_path_of_a_converted_corpus_uses_its_converter(  # type: ignore[no-
     data = data_config("gsm8k", f"data.path={gsm8k}", f"data.eval_path={gsm8k}")
     prepared = build_datasets(data, smollm2_tokenizer, tmp_path, seed=0)
     assert prepared.eval is not None and len(prepared.eval) == 2
+
+
+def test_online_preflight_names_an_unreachable_hub_and_a_missing_data_set(
+    offline_empty_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    probes: list[str] = []
+
+    def unreachable(self: Any, repo_id: str, **kwargs: Any) -> Any:
+        probes.append(repo_id)
+        raise ConnectionError("[Errno 101] Network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    with pytest.raises(
+        ConfigError, match=r"the hub is unreachable \(ConnectionError\); set data\.path"
+    ):
+        check_inputs(typed("data=gsm8k"))
+    assert probes == ["openai/gsm8k"]
+    # cached: an unreachable hub is no reason to stop (datasets reads its cache)
+    (offline_empty_cache / "hub" / "datasets--openai--gsm8k").mkdir(parents=True)
+    check_inputs(typed("data=gsm8k"))
+
+    class NotFound(RepositoryNotFoundError):
+        def __init__(self) -> None:  # the real one wants an HTTP response
+            Exception.__init__(self, "404 Repository Not Found")
+
+    def missing(self: Any, repo_id: str, **kwargs: Any) -> Any:
+        raise NotFound()
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", missing)
+    with pytest.raises(ConfigError, match=r"no such data set or revision \(v9\)"):
+        check_inputs(typed("data=gsm8k", "data.revision=v9"))
