@@ -179,3 +179,19 @@ def test_preflight_names_a_set_the_offline_hub_cannot_give(
             model=False,
             data=False,
         )
+
+
+def test_in_training_tau_takes_the_first_prompts_of_every_set() -> None:
+    from types import SimpleNamespace
+
+    from eagleforge.speculative.probe import TauProbe
+
+    config = typed(f"eval.prompts=[{GSM8K},{HUMANEVAL}]")
+    renderer = FakeRenderer()
+    renderer.processor = None  # type: ignore[attr-defined]
+    renderer.eos_token_id = 0  # type: ignore[attr-defined]
+    target = SimpleNamespace(model=SimpleNamespace(generation_config=None))
+    probe = TauProbe(config.eval, 1, target, renderer, seed=0)  # type: ignore[arg-type]
+    assert [prompt_id for prompt_id, _, _ in probe.prompts] == ["5", "HumanEval/0"]
+    # gsm8k's question follows its five worked examples, as in eagleforge.evaluate
+    assert len(renderer.conversations[0]) == 11 and len(renderer.conversations[1]) == 1
