@@ -378,11 +378,14 @@ def test_mixture_rows_are_openai_rows_for_regenerate() -> None:
 def test_mixture_of_hub_corpora_samples_each_with_the_seed(
     fake_hub: list[dict[str, Any]],
 ) -> None:
-    entries = ("{corpus: ultrachat, num_samples: 2}", "{corpus: perfectblend, num_samples: 2}")
+    entries = (
+        "{corpus: ultrachat, num_samples: 2}",
+        "{corpus: opencoder_sft1, subset: realuser_instruct, num_samples: 2}",
+    )
     rows = mixed_rows(mixture(*entries))
-    assert [call["path"] for call in fake_hub] == [
-        "HuggingFaceH4/ultrachat_200k",
-        "mlabonne/open-perfectblend",
+    assert [(call["path"], call["name"]) for call in fake_hub] == [
+        ("HuggingFaceH4/ultrachat_200k", None),
+        ("OpenCoder-LLM/opc-sft-stage1", "realuser_instruct"),
     ]
     assert len(rows) == 4 and [where for where, _ in mixed_rows(mixture(*entries))] == [
         where for where, _ in rows

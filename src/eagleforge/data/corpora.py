@@ -91,6 +91,8 @@ class MixSource:
     weight: float = 1.0
     # The hub split to read; null = the corpus's default (train, UltraChat: train_sft).
     split: str | None = None
+    # The hub config name; null = the corpus's default (OpenCoder: largescale_diverse_instruct).
+    subset: str | None = None
     # Hub revision (a commit, tag or branch); null = the main branch.
     revision: str | None = None
 

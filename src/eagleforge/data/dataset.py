@@ -542,7 +542,7 @@ def mixture_hub_source(cfg: DataConfig, index: int) -> HubSource:
         corpus.hub_id,
         corpus.format,
         entry.split or corpus.split,
-        corpus.subset,
+        entry.subset or corpus.subset,
         entry.revision,
         corpus.streaming,
         path_field=f"data.mixture.{index}.path",
