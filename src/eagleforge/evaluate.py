@@ -213,7 +213,7 @@ def run(cfg: DictConfig) -> list[Summary]:
     device = resolve_device(config.parallel)
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)
-    check_inputs(config, data=False, prompts=True)
+    check_inputs(config, data=False, prompts=True, tracking=True)
     # every prompt set is read before the model loads: a set the hub cannot give costs a line
     ecfg = config.eval
     sets = load_prompt_sets(
@@ -231,7 +231,12 @@ def run(cfg: DictConfig) -> list[Summary]:
         config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
     )
     output_dir = Path(config.output_dir)
-    tracker = build_tracker(config.tracker, config.output_root, run_name=f"eval-{output_dir.name}")
+    tracker = build_tracker(
+        config.tracker,
+        config.output_root,
+        run_name=f"eval-{output_dir.name}",
+        output_dir=output_dir,
+    )
     container = OmegaConf.to_container(cfg, resolve=True)
     tracker.log_config(flatten(container), OmegaConf.to_yaml(cfg))  # type: ignore[arg-type]
     summaries: list[Summary] = []

@@ -10,6 +10,9 @@ The loaders still check what they read in full (formats, manifests, checksums).
 
 from __future__ import annotations
 
+import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from eagleforge.checkpoint import TRAINING_STATE
@@ -20,6 +23,7 @@ from eagleforge.data.dataset import DataConfig, config_hub_source, mixture_hub_s
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.target.source import check_model_path
+from eagleforge.tracking import TrackerConfig, TrackerKind
 
 
 def check_inputs(
@@ -29,11 +33,12 @@ def check_inputs(
     data: bool = True,
     need_weights: bool = True,
     prompts: bool = False,
+    tracking: bool = False,
 ) -> None:
     """ConfigError/DataError naming the first missing input of this command: the target model
     (``model``: the command loads it), the training data (``data``: online data files, or the feature store of data.features),
     the prompts (``prompts``, or when training measures real τ), model.draft_init and an
-    explicit trainer.resume."""
+    explicit trainer.resume, and (``tracking``: the command logs) a tracking server."""
     if model:
         check_model_path(config.model, need_weights=need_weights)
     if data:
@@ -50,6 +55,8 @@ def check_inputs(
             f"model.draft_init={config.model.draft_init}: no such directory; give a "
             "checkpoints/step_* directory or an exported draft, or unset it."
         )
+    if tracking:
+        check_tracking_server(config.tracker)
     resume = config.trainer.resume
     if resume not in ("auto", "never") and not (Path(resume) / TRAINING_STATE).is_file():
         raise ConfigError(
@@ -81,6 +88,26 @@ def check_feature_store(store: str) -> None:
             f"data.features={store}: no feature store there (no train/manifest.json); write "
             "one with python -m eagleforge.prepare prepare.output_dir=DIR, or fix the path."
         )
+
+
+def check_tracking_server(tracker: TrackerConfig, timeout_s: float = 5.0) -> None:
+    """An MLflow server named by tracker.tracking_uri (or $MLFLOW_TRACKING_URI) answers. A run
+    cannot be created without it, so this is found now rather than after the model loaded;
+    once the run exists, an outage only spools (eagleforge.tracking)."""
+    uri = tracker.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+    if tracker.kind != TrackerKind.mlflow or not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # something answers (a proxy, an auth layer): MLflow's own errors will tell
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise ConfigError(
+            f"tracker.tracking_uri={uri}: no MLflow server answers ({reason}); start it "
+            "(make mlflow-server), point tracker.tracking_uri at a running one, or log to a "
+            "local store with tracker.tracking_uri=null (and MLFLOW_TRACKING_URI unset)."
+        ) from None
 
 
 def check_prompts(prompts: list[str]) -> None:

@@ -411,6 +411,25 @@ class MLflowTracker:
     ) -> str:
         # Through a client, not mlflow.start_run: the fluent API's active run belongs to the
         # thread that started it, and ending it would wait for the server.
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._create_run(experiment, run_name, artifact_root, tags)
+        except MlflowException as e:  # no run yet, so nothing to spool: say what to do
+            reason = str(e).splitlines()[0][:300]
+            raise ConfigError(
+                f"tracker.tracking_uri={self.tracking_uri}: MLflow could not start the run "
+                f"({reason}); start the server (make mlflow-server), point tracker.tracking_uri "
+                "at a reachable one, or log locally with tracker.tracking_uri=null."
+            ) from None
+
+    def _create_run(
+        self,
+        experiment: str,
+        run_name: str,
+        artifact_root: Path,
+        tags: Mapping[str, str] | None,
+    ) -> str:
         from mlflow.tracking.context.registry import resolve_tags
 
         with _store_setup_lock(self.tracking_uri):

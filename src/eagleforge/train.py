@@ -200,7 +200,7 @@ def run(cfg: DictConfig) -> TrainResult:
     Under torchrun/SLURM every rank runs this; the process group lives as long as the run.
     """
     config: EagleForgeConfig = to_typed(cfg)
-    check_inputs(config)
+    check_inputs(config, tracking=is_main_process())
     with distributed(config.parallel) as world:
         if not world.is_main:  # one rank reports
             logging.getLogger("eagleforge").setLevel(logging.WARNING)
@@ -306,7 +306,9 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     container = OmegaConf.to_container(cfg, resolve=True)
     config_yaml = OmegaConf.to_yaml(container)
     run_name = default_run_name(config.model.name, config.data.name, output_dir)
-    tracker = build_tracker(config.tracker, config.output_root, run_name, is_main=world.is_main)
+    tracker = build_tracker(
+        config.tracker, config.output_root, run_name, is_main=world.is_main, output_dir=output_dir
+    )
     tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
     if inputs.report is not None:
         tracker.log_metrics(inputs.report.metrics("data"), step=0)

@@ -134,3 +134,36 @@ def test_regenerate_checks_the_model_only_for_the_hf_backend(tmp_path: Path) -> 
     result = regenerate("regenerate.backend=server", f"data.path={tmp_path}/in.jsonl")
     assert result.returncode == 2  # no model needed: the data file is the missing input
     assert "in.jsonl does not exist" in result.stderr.strip().splitlines()[0]
+
+
+def test_an_unreachable_tracking_server_is_named_before_loading(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = typed(f"tracker.tracking_uri=http://127.0.0.1:{port}")
+    check_inputs(config)  # commands that log nothing do not ask
+    with pytest.raises(ConfigError, match=rf"tracker\.tracking_uri=http://127\.0\.0\.1:{port}: "
+                       "no MLflow server answers"):  # fmt: skip
+        check_inputs(config, tracking=True)
+    check_inputs(typed(f"tracker.tracking_uri=sqlite:///{tmp_path}/m.db"), tracking=True)
+    check_inputs(typed(f"tracker.tracking_uri=http://127.0.0.1:{port}", "tracker=console"),
+                 tracking=True)  # fmt: skip
+
+
+def test_a_run_that_cannot_be_created_is_one_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server went away between the preflight and the run's creation."""
+    import socket
+
+    from eagleforge.tracking import TrackerConfig, build_tracker
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = TrackerConfig(tracking_uri=f"http://127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=r"tracker\.tracking_uri=.*could not start the run"):
+        build_tracker(cfg, tmp_path, "run", output_dir=tmp_path / "run")
