@@ -40,6 +40,10 @@ from omegaconf.errors import OmegaConfBaseException
 from eagleforge.errors import ConfigError
 
 log = logging.getLogger(__name__)
+# MLflow announces the creation and migration of a sqlite store at INFO on the console; it is
+# routine here (the default store is created by the first run), not news for the user.
+for _noisy in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+    logging.getLogger(_noisy).setLevel(logging.WARNING)
 
 
 class TrackerKind(str, Enum):
