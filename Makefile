@@ -36,13 +36,13 @@ test-all: $(STAMP) ## Run every test tier, slow ones included
 	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff format check, ruff lint, mypy on src/
-	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts
+	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/mypy src
 
 format: $(STAMP) ## Apply ruff formatting and fixes
-	$(VENV)/bin/ruff format src tests benchmarks
-	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks scripts
+	$(VENV)/bin/ruff check --fix src tests benchmarks scripts
 
 TTT_STEP := $(OFFLINE) $(PY) benchmarks/ttt_step.py --ttt-length 7 --steps 5 --dtype float32 --attention sdpa --json
 bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
