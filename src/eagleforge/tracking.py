@@ -416,9 +416,29 @@ class MLflowTracker:
         # Through a client, not mlflow.start_run: the fluent API's active run belongs to the
         # thread that started it, and ending it would wait for the server.
         from mlflow.exceptions import MlflowException
+        from mlflow.tracking.context.registry import resolve_tags
 
         try:
-            return self._create_run(experiment, run_name, artifact_root, tags)
+            with _store_setup_lock(self.tracking_uri):
+                self.client = _client(self.tracking_uri)
+                found = self.client.get_experiment_by_name(experiment)
+                if found is None:
+                    # A sqlite store would otherwise put artifacts in ./mlruns of whatever the
+                    # cwd is.
+                    location = (
+                        artifact_root.resolve().as_uri()
+                        if self.tracking_uri.startswith("sqlite")
+                        else None
+                    )
+                    experiment_id = self.client.create_experiment(
+                        experiment, artifact_location=location
+                    )
+                else:
+                    experiment_id = found.experiment_id
+            run = self.client.create_run(
+                experiment_id, run_name=run_name, tags=resolve_tags(dict(tags or {}))
+            )
+            return str(run.info.run_id)
         except MlflowException as e:  # no run yet, so nothing to spool: say what to do
             reason = str(e).splitlines()[0][:300]
             raise ConfigError(
@@ -426,35 +446,6 @@ class MLflowTracker:
                 f"({reason}); start the server (make mlflow-server), point tracker.tracking_uri "
                 "at a reachable one, or log locally with tracker.tracking_uri=null."
             ) from None
-
-    def _create_run(
-        self,
-        experiment: str,
-        run_name: str,
-        artifact_root: Path,
-        tags: Mapping[str, str] | None,
-    ) -> str:
-        from mlflow.tracking.context.registry import resolve_tags
-
-        with _store_setup_lock(self.tracking_uri):
-            self.client = _client(self.tracking_uri)
-            found = self.client.get_experiment_by_name(experiment)
-            if found is None:
-                # A sqlite store would otherwise put artifacts in ./mlruns of whatever the cwd is.
-                location = (
-                    artifact_root.resolve().as_uri()
-                    if self.tracking_uri.startswith("sqlite")
-                    else None
-                )
-                experiment_id = self.client.create_experiment(
-                    experiment, artifact_location=location
-                )
-            else:
-                experiment_id = found.experiment_id
-        run = self.client.create_run(
-            experiment_id, run_name=run_name, tags=resolve_tags(dict(tags or {}))
-        )
-        return str(run.info.run_id)
 
     def log_config(self, params: Mapping[str, Any], config_yaml: str) -> None:
         # MLflow caps param values at 6000 characters and a batch at 100 params.
