@@ -56,6 +56,10 @@ def test_greedy_output_equals_the_targets_on_smollm2(
         assert speculative.output_ids == plain.output_ids
         assert len(plain.output_ids) == 24 or plain.output_ids[-1] == smollm2_tokenizer.eos_token_id
         assert speculative.target_forwards == 1 + len(speculative.accepted_lengths)
+        parts = speculative.seconds_by_part  # the round timed by part, within the whole
+        assert set(parts) == {"prefill", "draft", "verify", "commit"}
+        assert 0 < sum(parts.values()) <= speculative.seconds
+        assert speculative.draft_steps == 4 * len(speculative.accepted_lengths)
 
 
 def small_vocab_target(vocab: int = 8) -> HFTarget:

@@ -53,3 +53,23 @@ def test_cached_chain_equals_the_training_time_test(committed: int) -> None:
                 else (torch.cat([extra[0], k], 2), torch.cat([extra[1], v], 2))
             )
             hidden_in = node_out[0]
+
+
+def test_commits_in_pieces_equal_one_prefill_across_buffer_growth() -> None:
+    """The draft's KV cache is a buffer that doubles when full (256 positions first): commits
+    in pieces that cross its growth give what one prefill of them all gives."""
+    draft = tiny_draft(seed=2).eval()
+    generator = torch.Generator().manual_seed(0)
+    seq = 600
+    ids = torch.randint(0, draft.arch.vocab_size, (seq,), generator=generator)
+    aux = torch.randn(seq, 3 * draft.arch.target_hidden_size, generator=generator)
+    with torch.no_grad():
+        whole = DraftRunner(draft).extend(ids, aux, torch.arange(seq))
+        runner = DraftRunner(draft)
+        pieces, start = [], 0
+        for size in (200, 90, 1, 3, 250, 56):  # grows at 256 and at 512
+            end = start + size
+            pieces.append(runner.extend(ids[start:end], aux[start:end], torch.arange(start, end)))
+            start = end
+    assert start == seq and runner.cached == seq
+    torch.testing.assert_close(torch.cat(pieces), whole)
