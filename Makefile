@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP) ## Create or update the virtual environment
 
 # Each demo in its own run directory, so a second `make demo` trains anew.
-DEMO_RUN ?= outputs/runs/demo-$(shell date +%Y-%m-%d_%H-%M-%S)
+DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
+DEMO_RUN ?= outputs/runs/demo-$(DEMO_TIME)
 demo: $(STAMP) ## Train a SmolLM2-135M draft on chitchat on this CPU, then measure its real tau and speedup (< 10 min)
 	$(OFFLINE) $(PY) -m eagleforge.train +model=smollm2 data=chitchat +experiment=cpu_demo \
 		hydra.run.dir=$(DEMO_RUN)
