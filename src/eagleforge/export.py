@@ -36,7 +36,7 @@ from eagleforge.formats import (
     read_draft,
     write_draft,
 )
-from eagleforge.target.source import ModelConfig, ModelSource, resolve_model_dir
+from eagleforge.target.source import ModelConfig, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,10 @@ def _trained_target(config_path: Path) -> tuple[str, str | None]:
             "the target's hub id or path."
         ) from None
     assert isinstance(model, ModelConfig)
-    if model.source == ModelSource.pretrained:
-        assert model.path is not None
-        return _local_or_hub(model.path), model.revision
-    cache_dir = resolve_cache_dir(OmegaConf.select(training, "cache_dir"))
-    return str(Path(resolve_model_dir(model, cache_dir)).resolve()), None
+    # as training resolved it: a directory here (absolute: the engine may run elsewhere) or
+    # a hub id
+    target = resolve_model_dir(model, resolve_cache_dir(OmegaConf.select(training, "cache_dir")))
+    return (str(target.resolve()) if isinstance(target, Path) else target), model.revision
 
 
 def _architectures(name_or_path: str, revision: str | None) -> list[str]:

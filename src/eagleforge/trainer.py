@@ -344,8 +344,12 @@ class Trainer:
         self.module.train()
         return sums.summed_over(self.world).metrics("eval", self.weights_k)
 
+    def checkpoint_dir(self, name: str | None = None) -> Path:
+        """Where checkpoint ``name`` is saved (None: this step's)."""
+        return self.output_dir / "checkpoints" / (name or f"step_{self.step:08d}")
+
     def save(self, name: str | None = None) -> Path:
-        path = self.output_dir / "checkpoints" / (name or f"step_{self.step:08d}")
+        path = self.checkpoint_dir(name)
         saved = save_checkpoint(
             path,
             self.module,
@@ -412,7 +416,7 @@ class Trainer:
 
     def _already_complete(self) -> TrainResult:
         """Resumed at (or past) the last step: the run ended before; nothing is redone."""
-        best = self.output_dir / "checkpoints" / "best"
+        best = self.checkpoint_dir("best")
         log.info(
             "the run is already complete (step %d of %d); its last checkpoint is %s",
             self.step,
