@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.errors import CheckpointError
+from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums
 from eagleforge.formats import load_sglang, write_sglang
 from eagleforge.parallel.dist import World
@@ -151,6 +151,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def explicit_checkpoint(resume: str) -> Path:
+    """The directory ``trainer.resume=<resume>`` names; ConfigError unless it holds a training
+    state (its checksums are checked where it is resumed from)."""
+    path = Path(resume)
+    if not (path / TRAINING_STATE).is_file():
+        raise ConfigError(
+            f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
+            "checkpoints/step_* directory, auto or never."
+        )
+    return path
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:

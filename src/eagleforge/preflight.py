@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from eagleforge.checkpoint import TRAINING_STATE
+from eagleforge.checkpoint import explicit_checkpoint
 from eagleforge.config import EagleForgeConfig
 from eagleforge.data.conversations import DataFormat, expand_sources, source_files
 from eagleforge.data.corpora import check_hub_source
@@ -57,12 +57,8 @@ def check_inputs(
         )
     if tracking:
         check_tracking_server(config.tracker)
-    resume = config.trainer.resume
-    if resume not in ("auto", "never") and not (Path(resume) / TRAINING_STATE).is_file():
-        raise ConfigError(
-            f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
-            "checkpoints/step_* directory, auto or never."
-        )
+    if config.trainer.resume not in ("auto", "never"):
+        explicit_checkpoint(config.trainer.resume)
 
 
 def check_data_source(data: DataConfig) -> None:

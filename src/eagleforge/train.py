@@ -28,8 +28,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.checkpoint import (
-    TRAINING_STATE,
     checksum_problem,
+    explicit_checkpoint,
     load_draft_weights,
     newest_checkpoint,
     read_progress,
@@ -179,12 +179,7 @@ def resume_from(resume: str, output_dir: Path) -> Path | None:
         return None
     if resume == "auto":
         return newest_checkpoint(output_dir)
-    path = Path(resume)
-    if not (path / TRAINING_STATE).is_file():
-        raise ConfigError(
-            f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
-            "checkpoints/step_* directory, auto or never."
-        )
+    path = explicit_checkpoint(resume)
     problem = checksum_problem(path)
     if problem is not None:
         raise ConfigError(
