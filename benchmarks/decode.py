@@ -108,7 +108,7 @@ def main() -> None:
     decoder = SpeculativeDecoder(target, draft, settings, eos_ids=set())
     prompts = [
         render_prompt(tokenizer, [item.message(0)])
-        for item in load_prompts("mtbench", False, args.prompts)
+        for item in load_prompts("mtbench_style", False, args.prompts)
     ]
     generator = torch.Generator().manual_seed(0)
     decoder.generate(prompts[0], generator)  # warm-up (allocator, kernels)

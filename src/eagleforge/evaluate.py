@@ -150,8 +150,7 @@ def evaluate_draft(
         bar.update()
     bar.close()
     greedy = cfg.temperature == 0
-    summary = summarise(name, records, cfg.num_draft_tokens, greedy, prompts.name)
-    summary.prompt_source = prompts.source
+    summary = summarise(name, records, cfg.num_draft_tokens, greedy, prompts.name, prompts.source)
     return summary, records
 
 
@@ -169,8 +168,8 @@ def evaluate_sets(
     eval/<draft>/ and logs eval/tau ...; several write eval/<draft>/<set>/ and log
     eval/<set>/tau ..."""
     summaries = []
+    several = len(sets) > 1
     for prompt_set in sets:
-        several = len(sets) > 1
         label = f"{draft.name} {prompt_set.name}" if several else draft.name
         summary, records = evaluate_draft(
             config, decoder, renderer, str(draft), device, prompt_set, label

@@ -18,6 +18,7 @@ from eagleforge.preflight import check_inputs
 from eagleforge.speculative import prompts as prompts_module
 from eagleforge.speculative.decode import DecodeResult
 from eagleforge.speculative.prompts import load_prompt_sets
+from eagleforge.speculative.report import Summary
 
 pytestmark = pytest.mark.unit
 
@@ -71,23 +72,29 @@ class Recorder:
         pass
 
 
-def test_several_sets_give_files_metrics_and_one_table(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    config = typed(f"output_dir={tmp_path}", f"eval.prompts=[{GSM8K},{HUMANEVAL}]")
+def run_sets(
+    config: Any, renderer: FakeRenderer, draft: Path, step: int, tracker: Recorder
+) -> list[Summary]:
+    """evaluate_sets with the stand-in decoder over every set of ``config``'s eval.prompts."""
     sets = load_prompt_sets(config.eval.prompt_sets(), multi_turn=False)
-    renderer, tracker = FakeRenderer(), Recorder()
-    draft = Path("runs/x/checkpoints/step_00000004")
-    summaries = evaluate_sets(
+    return evaluate_sets(
         config,
         FakeDecoder(),
         renderer,
         draft,
-        4,
+        step,
         sets,
         torch.device("cpu"),
         tracker,  # type: ignore[arg-type]
     )
+
+
+def test_several_sets_give_files_metrics_and_one_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = typed(f"output_dir={tmp_path}", f"eval.prompts=[{GSM8K},{HUMANEVAL}]")
+    renderer, tracker = FakeRenderer(), Recorder()
+    summaries = run_sets(config, renderer, Path("runs/x/checkpoints/step_00000004"), 4, tracker)
     assert [(s.prompt_set, s.num_turns, s.tau) for s in summaries] == [
         ("gsm8k", 2, 2.0),
         ("humaneval", 2, 2.0),
@@ -119,19 +126,8 @@ def test_several_sets_give_files_metrics_and_one_table(
 
 def test_one_set_keeps_the_single_set_layout(tmp_path: Path) -> None:
     config = typed(f"output_dir={tmp_path}", f"eval.prompts={HUMANEVAL}", "eval.baseline=false")
-    sets = load_prompt_sets(config.eval.prompt_sets(), multi_turn=False)
     tracker = Recorder()
-    draft = Path("step_00000002")
-    evaluate_sets(
-        config,
-        FakeDecoder(),
-        FakeRenderer(),
-        draft,
-        2,
-        sets,
-        torch.device("cpu"),
-        tracker,  # type: ignore[arg-type]
-    )
+    run_sets(config, FakeRenderer(), Path("step_00000002"), 2, tracker)
     assert (tmp_path / "eval" / "step_00000002" / "summary.json").is_file()
     assert tracker.metrics["eval/tau"] == 2.0 and "eval/speedup" not in tracker.metrics
 

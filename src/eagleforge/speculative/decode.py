@@ -278,28 +278,23 @@ class DraftRunner:
     def values(self) -> torch.Tensor | None:
         return None if self.buffer_v is None else self.buffer_v[:, :, : self.cached]
 
-    def _reserve(self, count: int) -> None:
-        """Room for ``count`` more positions after the cached ones (doubling when full)."""
-        assert self.buffer_k is not None and self.buffer_v is not None
-        needed = self.cached + count
-        if needed > self.buffer_k.shape[2]:
-            shape = (*self.buffer_k.shape[:2], max(256, 2 * needed), self.buffer_k.shape[3])
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write the keys and values of new positions after the cached ones (growing the
+        buffer, doubling, when full) without committing them; returns their end."""
+        count = k.shape[2]
+        if self.buffer_k is None or self.buffer_v is None:
+            shape = (*k.shape[:2], max(256, 2 * count), k.shape[3])
+            self.buffer_k, self.buffer_v = k.new_empty(shape), v.new_empty(shape)
+        end = self.cached + count
+        if end > self.buffer_k.shape[2]:
+            shape = (*self.buffer_k.shape[:2], max(256, 2 * end), self.buffer_k.shape[3])
             grown_k, grown_v = self.buffer_k.new_empty(shape), self.buffer_v.new_empty(shape)
             grown_k[:, :, : self.cached] = self.buffer_k[:, :, : self.cached]
             grown_v[:, :, : self.cached] = self.buffer_v[:, :, : self.cached]
             self.buffer_k, self.buffer_v = grown_k, grown_v
-
-    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Commit the keys and values of new positions to the cache."""
-        if self.buffer_k is None:
-            shape = (*k.shape[:2], max(256, 2 * k.shape[2]), k.shape[3])
-            self.buffer_k, self.buffer_v = k.new_empty(shape), v.new_empty(shape)
-        assert self.buffer_v is not None
-        self._reserve(k.shape[2])
-        end = self.cached + k.shape[2]
         self.buffer_k[:, :, self.cached : end] = k
         self.buffer_v[:, :, self.cached : end] = v
-        self.cached = end
+        return end
 
     def attend(
         self,
@@ -318,11 +313,8 @@ class DraftRunner:
         new_v = v if extra is None else torch.cat([extra[1], v], dim=2)
         if self.cached:  # the committed cache is visible to every query
             # with the drafted keys appended in the buffer's spare room: no copy of the cache
+            end = self._write(new_k, new_v)
             assert self.buffer_k is not None and self.buffer_v is not None
-            self._reserve(new_k.shape[2])
-            end = self.cached + new_k.shape[2]
-            self.buffer_k[:, :, self.cached : end] = new_k
-            self.buffer_v[:, :, self.cached : end] = new_v
             all_k, all_v = self.buffer_k[:, :, :end], self.buffer_v[:, :, :end]
         else:
             all_k, all_v = new_k, new_v
@@ -344,7 +336,7 @@ class DraftRunner:
         hidden = self.draft.fc(features_MA.to(self.draft.fc.weight.dtype))
         causal = torch.ones(len(tokens_M), len(tokens_M), dtype=torch.bool).tril()
         out, k, v = self.attend(tokens_M, hidden, positions, None, causal.to(tokens_M.device))
-        self._append(k, v)
+        self.cached = self._write(k, v)  # committed
         return out
 
     def log_probs(self, hidden_MH: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -42,7 +42,12 @@ class Summary:
 
 
 def summarise(
-    draft: str, records: list[TurnRecord], depth: int, greedy: bool, prompt_set: str = ""
+    draft: str,
+    records: list[TurnRecord],
+    depth: int,
+    greedy: bool,
+    prompt_set: str = "",
+    prompt_source: str = "",
 ) -> Summary:
     accepted = [a for r in records for a in r.speculative.accepted_lengths]
     reached = [sum(1 for a in accepted if a >= j) for j in range(depth + 1)]
@@ -75,6 +80,7 @@ def summarise(
         speedup=speed / baseline_speed if baseline_speed else None,
         greedy_matches_target=matches,
         prompt_set=prompt_set,
+        prompt_source=prompt_source,
     )
 
 
