@@ -331,8 +331,7 @@ class FeatureDataset(torch.utils.data.Dataset):
                     f"{path}: {problem}; re-run the same eagleforge.prepare command to "
                     "complete the store."
                 )
-            sha256 = read_sidecar(self.store, shard)["sha256"]
-            if verify_checksums and file_digest(path) != sha256:
+            if verify_checksums and file_digest(path) != read_sidecar(self.store, shard)["sha256"]:
                 raise DataError(
                     f"{path}: checksum mismatch (corrupted); delete it and its .json, then "
                     "re-run eagleforge.prepare to capture it again."
