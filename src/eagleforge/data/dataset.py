@@ -602,8 +602,9 @@ def preprocess_source(
     """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir.
 
     ``patterns``: the files to read; none (``cfg.sources()`` for a hub data set or a mixture):
-    ``cfg``'s hub data set or mixture (``row_source``). With ``processor`` (vision-language data) the cache is bypassed (see the module docstring);
-    the entry dir is then only a name for this data and settings."""
+    ``cfg``'s hub data set or mixture (``row_source``). With ``processor`` (vision-language
+    data) the cache is bypassed (see the module docstring); the entry dir is then only a name
+    for this data and settings."""
     if cfg.is_vlm and processor is None:
         raise ConfigError(
             "data.is_vlm=true: this command does not load the target's processor (only "
