@@ -28,7 +28,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -127,6 +127,25 @@ class ConsoleTracker:
 
 
 @contextmanager
+def _flock(path: Path, *, wait: bool = True) -> Iterator[bool]:
+    """An exclusive flock on ``path`` (made with its directory). Yields False when ``wait`` is
+    off and another process holds it."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
 def _store_setup_lock(tracking_uri: str) -> Iterator[None]:
     """Held while a sqlite store is created or migrated and the experiment looked up or made:
     the jobs of a sweep start at the same time (submitit, job arrays) and would otherwise
@@ -134,16 +153,9 @@ def _store_setup_lock(tracking_uri: str) -> Iterator[None]:
     if not tracking_uri.startswith("sqlite:///"):
         yield
         return
-    import fcntl
-
     db = Path(tracking_uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _flock(db.with_name(db.name + ".lock")):
+        yield
 
 
 # How long the sender waits after a failed request before it tries the server again; meanwhile
@@ -182,9 +194,21 @@ def _why(error: Exception) -> str:
     return text if len(text) <= 200 else text[:199] + "…"
 
 
-def send_entry(client: Any, run_id: str, entry: Mapping[str, Any], base: Path) -> None:
-    """One logging call, as the tracker queues and spools it. Relative artifact paths are
-    under ``base`` (the spool directory)."""
+def send_entry(client: Any, run_id: str, entry: Mapping[str, Any], base: Path) -> bool:
+    """Sends one logging call, as the tracker queues and spools it (relative artifact paths
+    are under ``base``, the spool directory). Returns False when the server refused it: it is
+    dropped with a warning. Raises when the server cannot be reached."""
+    try:
+        _send(client, run_id, entry, base)
+    except Exception as e:
+        if not _rejected(e):
+            raise
+        log.warning("MLflow refused a %s entry (%s); it is dropped", entry["kind"], _why(e))
+        return False
+    return True
+
+
+def _send(client: Any, run_id: str, entry: Mapping[str, Any], base: Path) -> None:
     from mlflow.entities import Metric, Param, RunTag
 
     kind = entry["kind"]
@@ -228,24 +252,11 @@ class Spool:
     def open(cls, directory: Path) -> Spool:
         return cls(directory, json.loads((directory / "run.json").read_text()))
 
-    @contextmanager
-    def _locked(self, name: str = "lock", *, wait: bool = True) -> Iterator[bool]:
+    def _locked(self, name: str = "lock", *, wait: bool = True) -> AbstractContextManager[bool]:
         """An flock on ``<dir>/<name>``: ``lock`` around each change of entries.jsonl,
         ``replay.lock`` around a replay (one sender at a time). Yields False when ``wait`` is
         off and someone else holds it."""
-        import fcntl
-
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / name, "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        return _flock(self.dir / name, wait=wait)
 
     def entries(self) -> list[dict[str, Any]]:
         path = self.dir / "entries.jsonl"
@@ -306,12 +317,7 @@ class Spool:
             order = [i for i in range(len(entries)) if i not in ends] + ends[-1:]
             try:
                 for i in order:
-                    try:
-                        send_entry(client, self.run["run_id"], entries[i], self.dir)
-                    except Exception as e:
-                        if not _rejected(e):
-                            raise
-                        log.warning("MLflow refused %s (%s); it is dropped", entries[i], e)
+                    send_entry(client, self.run["run_id"], entries[i], self.dir)
                     done.add(i)
                     on_sent()
                 done.update(ends)  # the last end status is the one that counts
@@ -481,7 +487,7 @@ class MLflowTracker:
             self._put({"kind": "tags", "tags": dict(tags)}, closing=True)
         if self.owns_run:
             self._put({"kind": "end", "status": status}, closing=True)
-        self._progress_at = time.monotonic()
+        self._made_progress()
         self._closing.set()
         while self._sender.is_alive():
             idle_s = time.monotonic() - self._progress_at
@@ -507,7 +513,7 @@ class MLflowTracker:
         if not self.spool.has_entries():
             try:
                 for entry in entries:
-                    send_entry(self.client, self.run_id, entry, self.spool.dir)
+                    _send(self.client, self.run_id, entry, self.spool.dir)
                 return
             except Exception as e:
                 log.warning("MLflow at %s is unreachable (%s)", self.tracking_uri, e)
@@ -559,18 +565,16 @@ class MLflowTracker:
             finally:
                 with self._state:
                     self._in_flight = None
-                self._progress_at = time.monotonic()
+                self._made_progress()
         if not self._abandoned and self.spool.has_entries():
             self._replay()  # the last try, at close
 
     def _attempt(self, entry: dict[str, Any]) -> None:
         self._last_attempt = time.monotonic()
         try:
-            send_entry(self.client, self.run_id, entry, self.spool.dir)
-        except Exception as e:
-            if _rejected(e):
-                log.warning("MLflow refused %s (%s); it is dropped", entry["kind"], e)
+            if not send_entry(self.client, self.run_id, entry, self.spool.dir):
                 return
+        except Exception as e:
             self._spool_from_sender(entry)
             self._warn_down(_why(e))
             return
@@ -813,7 +817,9 @@ def sync(path: str | Path, tracking_uri: str | None = None) -> int:
             continue
         if sent < 0:
             left += 1
-            print(f"{directory} is being sent by another process (a live run); skipped.")
+            print(
+                f"{directory} is being sent by another process (a live run); skipped.", flush=True
+            )
             continue
         print(f"sent {what} to run {spool.run['run_id']} at {uri}.", flush=True)
     return left
