@@ -129,7 +129,7 @@ def offline() -> bool:
     """The Hugging Face libraries are told not to use the network."""
     truthy = {"1", "ON", "YES", "TRUE"}
     return any(
-        os.environ.get(name, "").upper() in truthy
+        os.environ.get(name, "").strip().upper() in truthy
         for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
     )
 

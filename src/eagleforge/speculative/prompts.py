@@ -23,12 +23,12 @@ placeholder to the image's token count, as training does.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eagleforge.data import corpora
 from eagleforge.data.conversations import (
     ROLE_ALIASES,
     Conversation,
@@ -38,6 +38,7 @@ from eagleforge.data.conversations import (
     normalise_row,
     read_rows,
 )
+from eagleforge.data.corpora import offline as hub_offline
 from eagleforge.data.dataset import Collator, vision_settings
 from eagleforge.data.template import ProcessorChat, expand_images
 from eagleforge.errors import DataError
@@ -290,26 +291,10 @@ def parse_spec(text: str) -> PromptSpec:
     return PromptSpec(text, path=Path(text))
 
 
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set: nothing may be fetched."""
-    return any(
-        os.environ.get(var, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
-
-
 def hub_cached(bench: Benchmark) -> bool:
-    """Some of the dataset is in the local caches (the datasets cache or the hub's): worth an
-    offline load. A look at two directories; the load itself says whether it is complete."""
-    from huggingface_hub import constants
-
-    datasets_cache = Path(
-        os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets"
-    )
-    owner_name = bench.hub_id.split("/")
-    return (datasets_cache / "___".join(owner_name)).is_dir() or (
-        Path(constants.HF_HUB_CACHE) / "--".join(["datasets", *owner_name])
-    ).is_dir()
+    """Some of the benchmark is in the local caches: worth an offline load (the load itself
+    says whether it is complete)."""
+    return corpora.hub_cached(bench.hub_id)
 
 
 def hub_unavailable(bench: Benchmark) -> bool:
