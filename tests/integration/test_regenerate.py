@@ -22,6 +22,7 @@ from ranks import free_port  # noqa: E402
 from eagleforge.config import compose_config, to_typed
 from eagleforge.data.dataset import build_datasets
 from eagleforge.data.regenerate import run
+from eagleforge.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "sharegpt_small.jsonl"
@@ -141,3 +142,62 @@ def test_hf_backend_in_process(tmp_path: Path) -> None:
     assert summary.written == 4
     for row in rows(output):
         assert all(m["content"].strip() for m in row["messages"] if m["role"] == "assistant")
+
+
+def magpie_overrides(output: Path, *extra: str) -> list[str]:
+    return overrides(output, "regenerate.backend=hf", "parallel.device=cpu",
+                     "regenerate.batch_size=8", "regenerate.magpie.num_prompts=4",
+                     "regenerate.magpie.held_out=2", "regenerate.magpie.max_new_tokens=48",
+                     *extra)  # fmt: skip
+
+
+def test_magpie_target_writes_and_answers_its_own_prompts(tmp_path: Path) -> None:
+    output = tmp_path / "regen.jsonl"
+    summary = run(to_typed(compose_config(magpie_overrides(output))))
+    assert summary.written == 4 and summary.failed == 0
+    written = rows(output)
+    prompts = [row["messages"][0]["content"] for row in written]
+    assert [[m["role"] for m in row["messages"]] for row in written] == [["user", "assistant"]] * 4
+    assert all(p.strip() and "<|im" not in p for p in prompts) and len(set(prompts)) == 4
+    assert all(row["messages"][1]["content"].strip() for row in written)
+    held_out = rows(tmp_path / "regen.heldout.jsonl")
+    assert len(held_out) == 2 and not {r["turns"][0] for r in held_out} & set(prompts)
+    settings = json.loads((tmp_path / "regen.jsonl.settings.json").read_text())
+    assert settings["source"]["format"] == "magpie" and settings["magpie"]["num_prompts"] == 4
+    assert not (tmp_path / "regen.jsonl.chunks").exists()
+    # the held-out prompts are an eval.prompts file
+    from eagleforge.speculative.prompts import load_prompt_set
+
+    assert len(load_prompt_set(str(tmp_path / "regen.heldout.jsonl"), False, None).items) == 2
+
+
+def test_magpie_resume_reuses_the_written_prompts(tmp_path: Path) -> None:
+    """A job killed after writing its prompts answers those prompts, and never writes others;
+    a resume asking for another number of prompts is refused."""
+    from eagleforge.data.regenerate import Reply
+
+    output = tmp_path / "regen.jsonl"
+    chunks = tmp_path / "regen.jsonl.chunks"
+    chunks.mkdir()
+    written = [f"question {i}?" for i in range(6)]
+    (chunks / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in written))
+    with pytest.raises(ConfigError, match="holds the 6 an earlier call wrote"):
+        run(to_typed(compose_config(magpie_overrides(output, "regenerate.magpie.held_out=3"))))
+
+    def answer(histories: list[list[dict]]) -> list[Reply]:  # type: ignore[type-arg]
+        return [Reply(f"answer to {h[-1]['content']}") for h in histories]
+
+    summary = run(to_typed(compose_config(magpie_overrides(output))), answer)
+    assert summary.written == 4
+    assert [r["messages"][1]["content"] for r in rows(output)] == [
+        f"answer to question {i}?" for i in range(4)
+    ]
+    assert [r["turns"] for r in rows(tmp_path / "regen.heldout.jsonl")] == [
+        ["question 4?"],
+        ["question 5?"],
+    ]
+
+
+def test_magpie_needs_the_hf_backend(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="regenerate.backend=hf"):
+        to_typed(compose_config(overrides(tmp_path / "r.jsonl", "regenerate.magpie.num_prompts=4")))

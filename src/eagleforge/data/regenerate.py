@@ -12,10 +12,20 @@ before the first chunk; a resumed job with other settings is refused. When every
 the chunks are joined into ``output`` and the settings kept as ``<output>.settings.json``.
 Requests that still fail after the retries are left out and recorded, with the reason, in
 ``<output>.failed.jsonl``.
+
+With ``regenerate.magpie.num_prompts`` the target writes the first user turns too (Magpie, Xu
+et al. 2024): each is sampled from the chat template's user header, the text up to where a
+user's message would start, so the prompts come from the target's own idea of what users
+ask. They are written to ``<output>.chunks/prompts.jsonl`` before any is answered (a resume
+reuses them), then answered like rows read from ``data``; ``magpie.held_out`` more are written
+unanswered beside the output (``regen.jsonl`` -> ``regen.heldout.jsonl``, ``eval.prompts``
+rows): prompts for validating a draft that never saw them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -52,6 +62,33 @@ log = logging.getLogger("eagleforge.regenerate")
 class Backend(str, Enum):
     server = "server"  # any OpenAI-compatible chat endpoint (SGLang, vLLM, transformers serve)
     hf = "hf"  # the target in this process, batched generation with transformers
+
+
+@dataclass
+class MagpieConfig:
+    """``regenerate.magpie``: the target writes the user turns too (hf backend)."""
+
+    # Distinct first user turns to write and answer; 0 = off (the turns are read from `data`).
+    num_prompts: int = 0
+    # Further prompts, not answered, written beside the output (regen.jsonl ->
+    # regen.heldout.jsonl) as eval.prompts rows: validation prompts no training row holds.
+    held_out: int = 0
+    # Sampling of the prompts (the answers follow regenerate.temperature / top_p).
+    temperature: float = 1.0
+    top_p: float = 0.95
+    # Tokens per prompt at most; a prompt the target has not ended by then is dropped.
+    max_new_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 0 or self.held_out < 0 or self.max_new_tokens < 1:
+            raise ConfigError(
+                "regenerate.magpie.num_prompts and held_out must be >= 0 and max_new_tokens >= 1."
+            )
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"regenerate.magpie.temperature must be > 0 (the prompts are sampled) and top_p "
+                f"in (0, 1], got {self.temperature} and {self.top_p}."
+            )
 
 
 @dataclass
@@ -95,6 +132,8 @@ class RegenerateConfig:
     max_rows: int | None = None
     # Seed of the hf backend's sampling.
     seed: int = 0
+    # Magpie: the target writes the first user turns as well (see MagpieConfig).
+    magpie: MagpieConfig = field(default_factory=MagpieConfig)
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "batch_size", "max_new_tokens", "num_samples", "chunk_rows"):
@@ -116,6 +155,11 @@ class RegenerateConfig:
             )
         if self.backend == Backend.server and not self.base_urls:
             raise ConfigError("regenerate.base_urls is empty; give the server's …/v1 URL.")
+        if self.magpie.num_prompts and self.backend != Backend.hf:
+            raise ConfigError(
+                "regenerate.magpie.num_prompts samples prompts from the chat template's user "
+                "header, which a chat endpoint does not expose; set regenerate.backend=hf."
+            )
 
 
 @dataclass
@@ -438,6 +482,43 @@ class HFBackend:
             replies += [self._reply(ids) for ids in new_tokens]
         return replies
 
+    @torch.no_grad()
+    def user_turns(self, count: int, cfg: MagpieConfig) -> list[str]:
+        """``count`` distinct first user turns sampled from the chat template's user header
+        (Magpie), in the order written; those the target does not end are dropped."""
+        header = user_header(self.tokenizer)
+        ids = self.tokenizer(header, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = ids.to(self.device).expand(self.cfg.batch_size, -1)
+        prompts: dict[str, None] = {}  # insertion-ordered set
+        tries, max_tries = 0, 4 * count + 4 * self.cfg.batch_size
+        bar = tqdm(total=count, unit="prompt", desc="magpie prompts")
+        while len(prompts) < count:
+            if tries >= max_tries:
+                raise ConfigError(
+                    f"regenerate.magpie: the target wrote only {len(prompts)} distinct, ended "
+                    f"prompts in {tries} tries; raise regenerate.magpie.max_new_tokens or "
+                    "temperature, or ask for fewer."
+                )
+            output = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=True,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=None,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            tries += len(ids)
+            for row in output[:, ids.shape[1] :].tolist():
+                end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+                text = "" if end is None else self.tokenizer.decode(row[:end]).strip()
+                if text and text not in prompts and len(prompts) < count:
+                    prompts[text] = None
+                    bar.update()
+        bar.close()
+        return list(prompts)
+
     def _reply(self, ids: list[int]) -> Reply:
         """One row of new tokens as a reply. A row that ends in an ordinary token was cut at
         max_new_tokens (an ended one ends in eos, then padding); when the cut split a
@@ -449,6 +530,19 @@ class HFBackend:
             ids = ids[:-1]
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return finish_reply(text, None, cut=cut)
+
+
+def user_header(tokenizer: Any) -> str:
+    """The chat template's text before a first user message's content (with the template's
+    default system prompt, if it has one): where the target, continuing, writes a prompt."""
+    mark = "\x00magpie\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    if text.count(mark) != 1:
+        raise ConfigError(
+            "regenerate.magpie: the tokenizer's chat template does not render a user message "
+            "verbatim, so its user header cannot be found; this model needs prompts from data."
+        )
+    return str(text[: text.index(mark)])
 
 
 def hf_model_name(config: EagleForgeConfig) -> str:
@@ -476,6 +570,37 @@ class Summary:
         return self.rows / max(self.seconds, 1e-9)
 
 
+def magpie_rows(
+    path: Path, cfg: RegenerateConfig, backend: Callable[[], Generate]
+) -> tuple[list[Row], list[str]]:
+    """The rows to answer and the held-out prompts of a Magpie job: read from ``path`` when an
+    earlier call wrote them, else written by the target and saved there first."""
+    magpie = cfg.magpie
+    wanted = magpie.num_prompts + magpie.held_out
+    if path.exists():
+        prompts = [json.loads(line) for line in path.read_text().splitlines()]
+        if len(prompts) != wanted:
+            raise ConfigError(
+                f"regenerate.magpie asks for {magpie.num_prompts} + {magpie.held_out} held-out "
+                f"prompts but {path} holds the {len(prompts)} an earlier call wrote: rerun with "
+                f"those numbers to resume, or remove {path.parent} to start over."
+            )
+    else:
+        generate = backend()
+        if not isinstance(generate, HFBackend):  # a test's stand-in backend
+            raise ConfigError("regenerate.magpie needs regenerate.backend=hf.")
+        prompts = generate.user_turns(wanted, magpie)
+        write_lines_atomically(path, [json.dumps(p) for p in prompts])
+    rows = [
+        Row(i, f"magpie-{i:06d}", [{"role": "user", "content": p}, ASSISTANT_TO_WRITE])
+        for i, p in enumerate(prompts[: magpie.num_prompts])
+    ]
+    return rows, prompts[magpie.num_prompts :]
+
+
+ASSISTANT_TO_WRITE = {"role": "assistant", "content": ""}  # the turn regenerate_rows writes
+
+
 def run_settings(config: EagleForgeConfig, rows: list[Row]) -> dict[str, Any]:
     """What defines the output: the source conversations and how the target rewrites them.
     Kept beside the chunks; a resumed job must match it (``model`` is added once known)."""
@@ -483,14 +608,17 @@ def run_settings(config: EagleForgeConfig, rows: list[Row]) -> dict[str, Any]:
     digest = hashlib.sha256()
     for row in rows:
         digest.update(json.dumps([row.id, row.messages], sort_keys=True).encode() + b"\n")
+    magpie = cfg.magpie.num_prompts > 0
     return {
         "source": {
-            "format": data.format.value,
-            "files": [str(f) for f in source_files(data.format, data.sources())],
+            "format": "magpie" if magpie else data.format.value,
+            "files": [] if magpie else [str(f) for f in source_files(data.format, data.sources())],
             "max_rows": cfg.max_rows if cfg.max_rows is not None else data.max_num_samples,
             "rows": len(rows),
             "sha256": digest.hexdigest(),
         },
+        "magpie": dataclasses.asdict(cfg.magpie) if magpie else None,
+        "seed": cfg.seed if magpie or cfg.temperature > 0 else None,
         "backend": cfg.backend.value,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
@@ -510,7 +638,8 @@ def check_same_settings(
     )
     for name, value in settings.items():
         old: Any = recorded.get(name)
-        if value is None or value == old:
+        # a field missing from ``recorded`` is one an older eagleforge did not record
+        if value is None or value == old or name not in recorded:
             continue
         if name == "source":  # the same conversations, wherever the files are now
             if (value["rows"], value["sha256"]) == (old["rows"], old["sha256"]):
@@ -548,10 +677,24 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
         raise ConfigError(
             f"regenerate.output={output} exists (a finished job); remove it or choose another file."
         )
-    limit = cfg.max_rows if cfg.max_rows is not None else config.data.max_num_samples
-    rows, bad_rows = read_input(config.data, limit)
     chunks_dir = output.with_name(f"{output.name}.chunks")
     chunks_dir.mkdir(parents=True, exist_ok=True)
+
+    @functools.cache
+    def backend() -> Generate:  # loaded only when there is work for it
+        if generate is not None:
+            return generate
+        if cfg.backend == Backend.server:
+            return ServerBackend(cfg)
+        return HFBackend.from_config(cfg, config)
+
+    held_out: list[str] = []
+    if cfg.magpie.num_prompts:
+        rows, held_out = magpie_rows(chunks_dir / "prompts.jsonl", cfg, backend)
+        bad_rows: list[dict[str, Any]] = []
+    else:
+        limit = cfg.max_rows if cfg.max_rows is not None else config.data.max_num_samples
+        rows, bad_rows = read_input(config.data, limit)
     settings_path = chunks_dir / "settings.json"
     failures_path = output.with_name(f"{output.name}.failed.jsonl")
     done = finished_chunks(chunks_dir, len(rows))
@@ -570,11 +713,7 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
         log.info("resuming: %d of %d conversations already done", done_rows, len(rows))
     start = time.perf_counter()
     if todo:
-        generate = generate or (
-            ServerBackend(cfg)
-            if cfg.backend == Backend.server
-            else HFBackend.from_config(cfg, config)
-        )
+        generate = backend()
         model = getattr(generate, "model_name", None) or cfg.model
         if model is None and cfg.backend == Backend.hf:
             model = hf_model_name(config)
@@ -598,6 +737,12 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
         raise RuntimeError(f"chunks {spans} in {chunks_dir} miss some of the {len(rows)} rows")
     written = _join(chunks_dir, spans, output)
     recorded_failures = _join_failures(chunks_dir, spans, bad_rows, failures_path)
+    if cfg.magpie.held_out:
+        write_lines_atomically(
+            output.with_name(f"{output.stem}.heldout.jsonl"),
+            [json.dumps({"id": f"heldout-{i:06d}", "turns": [p]}) for i, p in enumerate(held_out)],
+        )
+    (chunks_dir / "prompts.jsonl").unlink(missing_ok=True)  # now in the output
     if settings_path.exists():  # kept with the data it describes
         os.replace(settings_path, output.with_name(f"{output.name}.settings.json"))
     for tmp in chunks_dir.glob(".tmp-*"):  # a write a kill interrupted
