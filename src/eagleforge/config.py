@@ -89,12 +89,6 @@ class EagleForgeConfig:
                 f"parallel.tp={parallel.tp}; set it to 0 and run eagleforge.evaluate on the "
                 "saved checkpoints."
             )
-        if offline and self.trainer.eval_tau_every_n_steps:
-            raise ConfigError(
-                "trainer.eval_tau_every_n_steps decodes with the whole target, which offline "
-                "training (data.features) does not load; set it to 0 and run "
-                "eagleforge.evaluate on the saved checkpoints."
-            )
         if self.data.is_vlm:
             self._check_vlm()
         if self.trainer.eval_tau_every_n_steps and self.target.backend != TargetBackendKind.hf:

@@ -55,6 +55,7 @@ from eagleforge.speculative.probe import TauProbe
 from eagleforge.speculative.prompts import PromptRenderer
 from eagleforge.target import build_target
 from eagleforge.target.head import HeadOnlyTarget
+from eagleforge.target.hf import HFTarget
 from eagleforge.target.source import (
     VisionProcessor,
     load_processor,
@@ -143,6 +144,28 @@ def offline_inputs(
     ).hexdigest()[:16]
     vocab_dir = Path(cache_dir) / "vocab" / f"features-{key}"
     return Inputs(train_set, eval_set, target, train_set.token_samples(), vocab_dir, None)
+
+
+def tau_probe(
+    config: EagleForgeConfig,
+    target: Any,
+    model_dir: Path,
+    tokenizer: Any,
+    inputs: Inputs,
+    world: World,
+) -> TauProbe | None:
+    """The real-τ probe (trainer.eval_tau_every_n_steps), on rank 0 only. Offline training
+    has no decoding target: rank 0 loads one for the probe, reading the store's layers."""
+    if not config.trainer.eval_tau_every_n_steps or not world.is_main:
+        return None
+    if config.data.features:
+        target = HFTarget.from_config(
+            config.model, config.target, model_dir, world.device, target.aux_layer_ids
+        )
+    renderer = PromptRenderer(
+        tokenizer, inputs.processor, config.data.min_pixels, config.data.max_pixels
+    )
+    return TauProbe(config.eval, config.trainer.eval_tau_prompts, target, renderer, config.seed)
 
 
 def resolve_packing(config: EagleForgeConfig, target: Any) -> bool:
@@ -323,17 +346,7 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         world=world,
         output_dir=output_dir,
         config_yaml=config_yaml,
-        tau_probe=TauProbe(
-            config.eval,
-            trainer_cfg.eval_tau_prompts,
-            target,
-            PromptRenderer(
-                tokenizer, inputs.processor, config.data.min_pixels, config.data.max_pixels
-            ),
-            config.seed,
-        )
-        if trainer_cfg.eval_tau_every_n_steps
-        else None,
+        tau_probe=tau_probe(config, target, Path(model_dir), tokenizer, inputs, world),
     )
     if checkpoint is not None:
         trainer.resume(checkpoint)

@@ -386,10 +386,9 @@ class Trainer:
 
     def _measure_tau(self, result: TrainResult) -> None:
         """Real τ of the current draft; a new best is saved as checkpoints/best."""
-        probe, draft = self.tau_probe, self.whole_draft()
-        assert probe is not None
+        probe, draft = self.tau_probe, self.whole_draft()  # (rank 0 has them)
         measured = self.world.on_main(
-            lambda: probe(draft) if draft is not None else 0.0,
+            lambda: probe(draft) if probe is not None and draft is not None else 0.0,
             RuntimeError("rank 0 failed measuring τ (see its log)"),
         )
         tau = self.world.broadcast_float(measured or 0.0)
@@ -491,7 +490,7 @@ class Trainer:
             last_step = self.step == self.max_num_steps  # saved below, after the final eval
             if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0 and not last_step:
                 result.checkpoint = self.save()
-            if self.tau_probe is not None and (
+            if cfg.eval_tau_every_n_steps and (
                 self.step % cfg.eval_tau_every_n_steps == 0 or last_step
             ):
                 self._measure_tau(result)

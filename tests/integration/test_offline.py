@@ -217,3 +217,15 @@ def test_custom_target_captures_the_same_store(tmp_path: Path, store: Path) -> N
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_offline_training_measures_real_tau_as_online_does(tmp_path: Path, store: Path) -> None:
+    """trainer.eval_tau_every_n_steps offline: rank 0 loads the target to decode with, and the
+    τ it measures (and the best checkpoint it keeps) are online training's."""
+    probe = ["trainer.eval_tau_every_n_steps=2", "trainer.eval_tau_prompts=2",
+             "eval.prompts=mtbench_style", "eval.max_new_tokens=8", "data.packing=true"]  # fmt: skip
+    online = _train(tmp_path, "online", *probe)
+    offline = _train(tmp_path, "offline", f"data.features={store}", *probe)
+    assert sorted(offline.tau_by_step) == [2, 3]
+    assert offline.tau_by_step == pytest.approx(online.tau_by_step, abs=1e-6)
+    assert offline.best_checkpoint == tmp_path / "offline" / "checkpoints" / "best"

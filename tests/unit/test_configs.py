@@ -122,12 +122,6 @@ def test_parallel_combinations_that_cannot_work_name_the_fields(
         to_typed(compose_config([*base, *overrides]))
 
 
-def test_real_tau_during_offline_training_is_refused() -> None:
-    with pytest.raises(ConfigError, match="eval_tau_every_n_steps decodes with the whole target"):
-        to_typed(compose_config(["+model=tiny", "data=chitchat", "output_dir=/tmp/unused",
-                                 "data.features=/tmp/f", "trainer.eval_tau_every_n_steps=5"]))  # fmt: skip
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("num_layers", range(3, 40))
 def test_default_aux_layers_are_distinct_layers(num_layers: int) -> None:
