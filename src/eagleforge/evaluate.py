@@ -35,7 +35,7 @@ from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import load_checked_draft, read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
-from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
+from eagleforge.speculative.decode import DecodeResult, SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import (
     PromptRenderer,
     PromptSet,
@@ -59,6 +59,9 @@ from eagleforge.target.source import load_processor, load_tokenizer, resolve_mod
 from eagleforge.tracking import Tracker, build_tracker, flatten
 
 log = logging.getLogger("eagleforge.evaluate")
+
+# (prompt set, prompt id, turn) -> the target alone's decoding and transformers' generate's
+Baselines = dict[tuple[str, str, int], tuple[DecodeResult, DecodeResult | None]]
 
 
 def draft_dirs(path: str) -> list[tuple[int, Path]]:
@@ -116,9 +119,12 @@ def evaluate_draft(
     device: torch.device,
     prompts: PromptSet | None = None,
     label: str | None = None,
+    baselines: Baselines | None = None,
 ) -> tuple[Summary, list[TurnRecord]]:
     """Decode every prompt of ``prompts`` (default: the first set of eval.prompts) with the
-    draft and, with eval.baseline, with the target alone. ``label`` names the progress bar."""
+    draft and, with eval.baseline, with the target alone (and eval.hf_generate, with
+    transformers' generate). ``label`` names the progress bar. ``baselines`` keeps the
+    target-alone decodings for the next setting of a greedy sweep: they are the same."""
     cfg = config.eval
     if prompts is None:
         texts = cfg.prompt_sets()
@@ -137,11 +143,24 @@ def evaluate_draft(
             seed = config.seed * 100_003 + index * 101 + turn
             generator = torch.Generator(device).manual_seed(seed)
             speculative = decoder.generate(prompt_ids, generator, images)
-            baseline = None
-            if cfg.baseline:
+            key = (prompts.name, item.id, turn)
+            baseline: DecodeResult | None
+            reference: DecodeResult | None
+            if baselines is not None and key in baselines:
+                baseline, reference = baselines[key]
+            elif cfg.baseline:
                 generator = torch.Generator(device).manual_seed(seed)
                 baseline = decoder.generate_target_only(prompt_ids, generator, images)
-            records.append(TurnRecord(item.id, turn, len(prompt_ids), speculative, baseline))
+                reference = None
+                if cfg.hf_generate and images is None:
+                    reference = decoder.generate_hf(prompt_ids)
+                if baselines is not None:
+                    baselines[key] = baseline, reference
+            else:
+                baseline = reference = None
+            records.append(
+                TurnRecord(item.id, turn, len(prompt_ids), speculative, baseline, reference)
+            )
             answer = tokenizer.decode(speculative.output_ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
             new_tokens += len(speculative.output_ids)
@@ -150,7 +169,11 @@ def evaluate_draft(
         bar.update()
     bar.close()
     greedy = cfg.temperature == 0
-    summary = summarise(name, records, cfg.num_draft_tokens, greedy, prompts.name, prompts.source)
+    settings = decoder.settings
+    summary = summarise(
+        name, records, settings.num_draft_tokens, greedy, prompts.name, prompts.source,
+        settings.label,
+    )  # fmt: skip
     return summary, records
 
 
@@ -163,23 +186,26 @@ def evaluate_sets(
     sets: list[PromptSet],
     device: torch.device,
     tracker: Tracker,
+    baselines: Baselines | None = None,
+    sweep: bool = False,
 ) -> list[Summary]:
-    """One draft on every prompt set: a table, files and metrics per set. One set writes
-    eval/<draft>/ and logs eval/tau ...; several write eval/<draft>/<set>/ and log
-    eval/<set>/tau ..."""
+    """One draft, decoded one way, on every prompt set: a table, files and metrics per set.
+    One set writes eval/<draft>/ and logs eval/tau ...; several write eval/<draft>/<set>/ and
+    log eval/<set>/tau ...; in a sweep (eval.sweep) both end in the setting, e.g. 3-1-4/."""
     summaries = []
     several = len(sets) > 1
+    setting = decoder.settings.label.replace("/", "-")
     for prompt_set in sets:
-        label = f"{draft.name} {prompt_set.name}" if several else draft.name
+        parts = [prompt_set.name] * several + [setting] * sweep
+        label = " ".join([draft.name, *parts])
         summary, records = evaluate_draft(
-            config, decoder, renderer, str(draft), device, prompt_set, label
+            config, decoder, renderer, str(draft), device, prompt_set, label, baselines
         )
         print(table(summary), flush=True)
-        out = Path(config.output_dir) / "eval" / draft.name
-        out = out / prompt_set.name if several else out
+        out = Path(config.output_dir, "eval", draft.name, *parts)
         write_outputs(summary, records, out)
         plot_acceptance(summary, out / "acceptance.png")
-        scope = f"eval/{prompt_set.name}" if several else "eval"
+        scope = "/".join(["eval", *parts])
         metrics = {
             f"{scope}/tau": summary.tau,
             f"{scope}/tokens_per_s": summary.tokens_per_s,
@@ -239,19 +265,27 @@ def run(cfg: DictConfig) -> list[Summary]:
     container = OmegaConf.to_container(cfg, resolve=True)
     tracker.log_config(flatten(container), OmegaConf.to_yaml(cfg))  # type: ignore[arg-type]
     summaries: list[Summary] = []
-    tau_by_step: dict[str, list[tuple[int, float]]] = {s.name: [] for s in sets}
+    tau_by_step: dict[str, list[tuple[int, float]]] = {}
+    settings = ecfg.decode_settings()
+    sweep = len(settings) > 1
+    # greedy decoding by the target alone is the same for every setting: decoded once
+    baselines: Baselines | None = {} if ecfg.temperature == 0 else None
     for step, path in drafts:
         draft = load_draft(path, target, device)
-        decoder = SpeculativeDecoder(
-            target, draft, ecfg.settings(), eos_ids(renderer.tokenizer, target)
-        )
-        for summary in evaluate_sets(config, decoder, renderer, path, step, sets, device, tracker):
-            tau_by_step[summary.prompt_set].append((step, summary.tau))
-            summaries.append(summary)
+        for setting in settings:
+            decoder = SpeculativeDecoder(
+                target, draft, setting, eos_ids(renderer.tokenizer, target)
+            )
+            for summary in evaluate_sets(
+                config, decoder, renderer, path, step, sets, device, tracker, baselines, sweep
+            ):
+                series = f"{summary.prompt_set} {summary.setting}" if sweep else summary.prompt_set
+                tau_by_step.setdefault(series, []).append((step, summary.tau))
+                summaries.append(summary)
     eval_dir = output_dir / "eval"
     if len(drafts) > 1:
         tracker.log_artifact(plot_tau_by_step(tau_by_step, eval_dir / "tau_by_step.png"))
-    if len(sets) > 1:
+    if len(sets) > 1 or sweep:
         report_sets(summaries, eval_dir, tracker)
     tracker.close()
     log.info("evaluation written to %s", eval_dir)

@@ -54,6 +54,7 @@ def test_greedy_output_equals_the_targets_on_smollm2(
         speculative = decoder.generate(ids, torch.Generator().manual_seed(0))
         plain = decoder.generate_target_only(ids, torch.Generator().manual_seed(0))
         assert speculative.output_ids == plain.output_ids
+        assert decoder.generate_hf(ids).output_ids == plain.output_ids  # transformers' generate
         assert len(plain.output_ids) == 24 or plain.output_ids[-1] == smollm2_tokenizer.eos_token_id
         assert speculative.target_forwards == 1 + len(speculative.accepted_lengths)
         parts = speculative.seconds_by_part  # the round timed by part, within the whole

@@ -16,7 +16,7 @@ from eagleforge.errors import ConfigError
 from eagleforge.evaluate import evaluate_sets, report_sets
 from eagleforge.preflight import check_inputs
 from eagleforge.speculative import prompts as prompts_module
-from eagleforge.speculative.decode import DecodeResult
+from eagleforge.speculative.decode import DecodeResult, DecodeSettings
 from eagleforge.speculative.prompts import load_prompt_sets
 from eagleforge.speculative.report import Summary
 
@@ -34,11 +34,19 @@ def typed(*overrides: str):  # type: ignore[no-untyped-def]
 class FakeDecoder:
     """Three tokens per turn in two rounds (two drafts accepted, then none)."""
 
+    def __init__(self, settings: DecodeSettings | None = None) -> None:
+        self.settings = settings or DecodeSettings(8, 2, 1, 2, 0.0)
+        self.target_only_calls = 0
+
     def generate(self, prompt_ids: list[int], generator: Any, images: Any) -> DecodeResult:
         return DecodeResult([5, 6, 7], 0.01, 3, accepted_lengths=[2, 0])
 
     def generate_target_only(self, prompt_ids: list[int], generator: Any, images: Any) -> Any:
+        self.target_only_calls += 1
         return DecodeResult([5, 6, 7], 0.02, 4)
+
+    def generate_hf(self, prompt_ids: list[int]) -> DecodeResult:
+        return DecodeResult([5, 6, 7], 0.03, 3)
 
 
 class FakeRenderer:
@@ -191,3 +199,40 @@ def test_in_training_tau_takes_the_first_prompts_of_every_set() -> None:
     assert [prompt_id for prompt_id, _, _ in probe.prompts] == ["5", "HumanEval/0"]
     # gsm8k's question follows its five worked examples, as in eagleforge.evaluate
     assert len(renderer.conversations[0]) == 11 and len(renderer.conversations[1]) == 1
+
+
+def test_a_sweep_decodes_the_target_alone_once_and_tables_every_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """eval.sweep: each setting in its own directory and metric scope, the greedy target-alone
+    decoding (and transformers' generate) reused, one table across the settings."""
+    config = typed(f"output_dir={tmp_path}", f"eval.prompts={GSM8K}", "eval.hf_generate=true",
+                   "eval.sweep=[3/1/4,6/4/16]")  # fmt: skip
+    chain, tree = config.eval.decode_settings()
+    assert (chain.num_draft_tokens, chain.topk, chain.total_draft_tokens) == (3, 1, 3)
+    assert (tree.num_draft_tokens, tree.topk, tree.total_draft_tokens) == (6, 4, 15)
+    sets = load_prompt_sets(config.eval.prompt_sets(), multi_turn=False)
+    renderer, tracker, baselines = FakeRenderer(), Recorder(), {}  # type: ignore[var-annotated]
+    draft = Path("runs/x/checkpoints/step_00000004")
+    summaries, calls = [], []
+    for setting in (chain, tree):
+        decoder = FakeDecoder(setting)
+        summaries += evaluate_sets(config, decoder, renderer, draft, 4, sets,  # type: ignore[arg-type]
+                                   torch.device("cpu"), tracker, baselines, sweep=True)  # type: ignore[arg-type]  # fmt: skip
+        calls.append(decoder.target_only_calls)
+    assert calls == [2, 0]  # two prompts, decoded alone once
+    assert [s.setting for s in summaries] == ["3/1/4", "6/4/16"]
+    assert all(s.hf_generate_tokens_per_s == pytest.approx(100.0) for s in summaries)
+    for setting in ("3-1-4", "6-4-16"):
+        assert (tmp_path / "eval" / draft.name / setting / "summary.json").is_file()
+        assert f"eval/{setting}/tau" in tracker.metrics
+    report_sets(summaries, tmp_path / "eval", tracker)  # type: ignore[arg-type]
+    table_rows = (tmp_path / "eval" / "summary.md").read_text().splitlines()
+    assert "decoding" in table_rows[0] and "tokens/s generate" in table_rows[0]
+    assert "3/1/4" in table_rows[2] and "6/4/16" in table_rows[3]
+
+
+@pytest.mark.parametrize("entry", ["3/1/3", "3/2/8", "0/1/1", "chain3", "3/1"])
+def test_a_malformed_sweep_entry_is_one_error(entry: str) -> None:
+    with pytest.raises(ConfigError, match=f"eval.sweep entry '{entry}'"):
+        typed(f"eval.sweep=[{entry}]")

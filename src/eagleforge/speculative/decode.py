@@ -35,8 +35,9 @@ position + 1 - its length, as Qwen2.5-VL's own generation continues after an ima
 from __future__ import annotations
 
 import inspect
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -78,6 +79,15 @@ class EvalConfig:
     temperature: float = 0.0
     # Also decode with the target alone (speed baseline, and the lossless check when greedy).
     baseline: bool = True
+    # Several decoding settings in one call, each "steps/topk/tokens" as SGLang's
+    # --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens
+    # (3/1/4: a chain of 3; 6/4/16: a tree of depth 6, 4 children a node, 15 drafts verified);
+    # they replace num_draft_tokens, topk and total_draft_tokens, and one table compares them.
+    # Greedy: the target alone is decoded once per prompt, whatever the number of settings.
+    sweep: list[str] = field(default_factory=list)
+    # Also time transformers' own generate on the same prompts (greedy text targets): the
+    # target-alone loop's speed beside it.
+    hf_generate: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_sets()  # raises ConfigError for anything but a name or a list of names
@@ -90,6 +100,11 @@ class EvalConfig:
             )
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}.")
+        self.decode_settings()  # raises ConfigError for a malformed sweep entry
+        if self.hf_generate and self.temperature > 0:
+            raise ConfigError(
+                "eval.hf_generate times transformers' greedy generate; set eval.temperature=0."
+            )
 
     def prompt_sets(self) -> list[str]:
         """``prompts`` as a list of entries (``eval.prompts=gsm8k`` and
@@ -109,6 +124,30 @@ class EvalConfig:
             raise ConfigError(f"eval.prompts names {', '.join(duplicates)} twice; list each once.")
         return list(sets)
 
+    def decode_settings(self) -> list[DecodeSettings]:
+        """The settings to decode with: each entry of ``sweep``, or the one of the fields."""
+        if not self.sweep:
+            return [self.settings()]
+        settings = []
+        for text in self.sweep:
+            match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+            steps, topk, tokens = (int(g) for g in match.groups()) if match else (0, 0, 0)
+            most = steps + 1 if topk == 1 else steps * topk + 1  # a chain verifies all
+            if not (
+                steps >= 1 and topk >= 1 and 2 <= tokens <= most and (topk > 1 or tokens == most)
+            ):
+                raise ConfigError(
+                    f"eval.sweep entry {text!r}: expected steps/topk/tokens as SGLang counts "
+                    "them (tokens include the verified root): a chain is steps/1/steps+1, e.g. 3/1/4; "
+                    "a tree has 2 <= tokens <= steps*topk + 1, e.g. 6/4/16."
+                )
+            settings.append(replace(self.settings(), num_draft_tokens=steps, topk=topk,
+                                    total_draft_tokens=tokens - 1))  # fmt: skip
+        labels = [s.label for s in settings]
+        if len(set(labels)) < len(labels):
+            raise ConfigError(f"eval.sweep lists a setting twice: {self.sweep}.")
+        return settings
+
     def settings(self) -> DecodeSettings:
         return DecodeSettings(
             max_new_tokens=self.max_new_tokens,
@@ -126,6 +165,11 @@ class DecodeSettings:
     topk: int  # 1: chain; > 1: tree
     total_draft_tokens: int  # nodes verified per round (tree); the chain verifies all
     temperature: float  # 0: greedy
+
+    @property
+    def label(self) -> str:
+        """SGLang's steps/topk/tokens (tokens counting the verified root): 3/1/4 = chain 3."""
+        return f"{self.num_draft_tokens}/{self.topk}/{self.total_draft_tokens + 1}"
 
 
 @dataclass
@@ -465,6 +509,28 @@ class SpeculativeDecoder:
             index = len(prompt_ids) + len(output) - 1
             positions = self.rope(torch.tensor([index], device=device))
         return DecodeResult(self._trim(output), time.perf_counter() - start, self.target.forwards)
+
+    @torch.no_grad()
+    def generate_hf(self, prompt_ids: list[int]) -> DecodeResult:
+        """transformers' own greedy ``generate`` on the prompt, with the same budget and end
+        tokens: the reference the target-alone loop is timed against (text targets)."""
+        model = self.target.target.model
+        input_ids = torch.tensor([prompt_ids], device=self.target.device)
+        start = time.perf_counter()
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=self.settings.max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=sorted(self.eos_ids) or None,
+            pad_token_id=min(self.eos_ids, default=0),
+        )
+        seconds = time.perf_counter() - start
+        new_ids = self._trim(output[0, len(prompt_ids) :].tolist())
+        return DecodeResult(new_ids, seconds, len(new_ids))
 
     def _done(self, output: list[int]) -> bool:
         return len(output) >= self.settings.max_new_tokens or any(t in self.eos_ids for t in output)

@@ -22,6 +22,7 @@ class TurnRecord:
     prompt_tokens: int
     speculative: DecodeResult
     baseline: DecodeResult | None
+    reference: DecodeResult | None = None  # transformers' generate (eval.hf_generate)
 
 
 @dataclass
@@ -39,6 +40,16 @@ class Summary:
     greedy_matches_target: bool | None  # temperature 0 with a baseline: outputs identical
     prompt_set: str = ""  # the eval.prompts set it was measured on
     prompt_source: str = ""  # where that set's rows came from: a hub id, a file
+    setting: str = ""  # the decoding, as SGLang's steps/topk/tokens (3/1/4: a chain of 3)
+    hf_generate_tokens_per_s: float | None = None  # transformers' generate (eval.hf_generate)
+
+
+def _speed(results: list[DecodeResult | None]) -> float | None:
+    """Tokens per second over ``results``; None unless every one is there."""
+    if not results or any(r is None for r in results):
+        return None
+    done = [r for r in results if r is not None]
+    return sum(len(r.output_ids) for r in done) / max(sum(r.seconds for r in done), 1e-9)
 
 
 def summarise(
@@ -48,18 +59,14 @@ def summarise(
     greedy: bool,
     prompt_set: str = "",
     prompt_source: str = "",
+    setting: str = "",
 ) -> Summary:
     accepted = [a for r in records for a in r.speculative.accepted_lengths]
     reached = [sum(1 for a in accepted if a >= j) for j in range(depth + 1)]
     rates = [reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, depth + 1)]
     tokens = sum(len(r.speculative.output_ids) for r in records)
     seconds = sum(r.speculative.seconds for r in records)
-    baselines = [r.baseline for r in records if r.baseline is not None]
-    baseline_speed = None
-    if baselines and len(baselines) == len(records):
-        baseline_speed = sum(len(b.output_ids) for b in baselines) / max(
-            sum(b.seconds for b in baselines), 1e-9
-        )
+    baseline_speed = _speed([r.baseline for r in records])
     speed = tokens / max(seconds, 1e-9)
     matches = None
     if greedy and baseline_speed is not None:
@@ -81,6 +88,8 @@ def summarise(
         greedy_matches_target=matches,
         prompt_set=prompt_set,
         prompt_source=prompt_source,
+        setting=setting,
+        hf_generate_tokens_per_s=_speed([r.reference for r in records]),
     )
 
 
@@ -94,6 +103,7 @@ def table(summary: Summary) -> str:
             "prompt set",
             f"{summary.prompt_set} ({summary.prompt_source})" if summary.prompt_set else "-",
         ),
+        ("decoding (steps/topk/tokens)", summary.setting or "-"),
         ("prompt turns", str(summary.num_turns)),
         ("τ (tokens per verification forward)", f"{summary.tau:.3f}"),
         (
@@ -104,6 +114,7 @@ def table(summary: Summary) -> str:
         ("generated tokens", str(summary.generated_tokens)),
         ("tokens/s speculative", fmt(summary.tokens_per_s, ".1f")),
         ("tokens/s target alone", fmt(summary.baseline_tokens_per_s, ".1f")),
+        ("tokens/s transformers generate", fmt(summary.hf_generate_tokens_per_s, ".1f")),
         ("speedup", fmt(summary.speedup, ".2f")),
         (
             "greedy output = target's",
@@ -133,6 +144,8 @@ def write_outputs(summary: Summary, records: list[TurnRecord], out_dir: Path) ->
             if r.baseline is not None:
                 row["baseline_output_ids"] = r.baseline.output_ids
                 row["baseline_seconds"] = round(r.baseline.seconds, 4)
+            if r.reference is not None:
+                row["hf_generate_seconds"] = round(r.reference.seconds, 4)
             f.write(json.dumps(row) + "\n")
     return [summary_path, outputs_path]
 
@@ -182,11 +195,13 @@ def plot_tau_by_step(points: dict[str, list[tuple[int, float]]], path: Path) -> 
 SET_COLUMNS: list[tuple[str, Callable[[Summary], object]]] = [
     ("draft", lambda s: Path(s.draft).name),
     ("prompt set", lambda s: s.prompt_set),
+    ("decoding", lambda s: s.setting),
     ("turns", lambda s: s.num_turns),
     ("tau", lambda s: round(s.tau, 3)),
     ("accept pos 1", lambda s: round(s.acceptance_by_position[0], 3)),
     ("tokens/s", lambda s: round(s.tokens_per_s, 1)),
     ("tokens/s target", lambda s: _round(s.baseline_tokens_per_s, 1)),
+    ("tokens/s generate", lambda s: _round(s.hf_generate_tokens_per_s, 1)),
     ("speedup", lambda s: _round(s.speedup, 2)),
     ("greedy = target", lambda s: s.greedy_matches_target),
     ("source", lambda s: s.prompt_source),
@@ -226,6 +241,12 @@ def write_sets_table(summaries: list[Summary], out_dir: Path) -> list[Path]:
     return [csv_path, md_path]
 
 
+def _series(summary: Summary) -> str:
+    """A draft and its decoding setting, as one bar series."""
+    name = Path(summary.draft).name
+    return f"{name} {summary.setting}" if summary.setting else name
+
+
 def plot_tau_by_set(summaries: list[Summary], path: Path) -> Path:
     """Bars of τ per prompt set, one bar per draft in each group."""
     import matplotlib
@@ -234,14 +255,14 @@ def plot_tau_by_set(summaries: list[Summary], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     sets = list(dict.fromkeys(s.prompt_set for s in summaries))
-    drafts = list(dict.fromkeys(s.draft for s in summaries))
-    tau = {(s.draft, s.prompt_set): s.tau for s in summaries}
+    drafts = list(dict.fromkeys(_series(s) for s in summaries))
+    tau = {(_series(s), s.prompt_set): s.tau for s in summaries}
     width = 0.8 / len(drafts)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(sets)), 3.5))
     for i, draft in enumerate(drafts):
         xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(sets))]
         heights = [tau.get((draft, name), 0.0) for name in sets]
-        ax.bar(xs, heights, width, label=Path(draft).name)
+        ax.bar(xs, heights, width, label=draft)
     ax.set_xticks(range(len(sets)))
     ax.set_xticklabels(sets)
     ax.set_ylabel("τ")
