@@ -10,7 +10,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo test test-all lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
+.PHONY: help venv demo quality test test-all lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -35,6 +35,24 @@ demo: $(STAMP) ## Train a SmolLM2-135M draft on chitchat on this CPU, then measu
 	@# real speculative decoding on prompts it never trained on, against the target alone
 	$(OFFLINE) $(PY) -m eagleforge.evaluate +model=smollm2 +experiment=cpu_demo \
 		eval.draft=$$(ls -d $(DEMO_RUN)/checkpoints/step_* | tail -1) hydra.run.dir=$(DEMO_RUN)/evaluation
+
+# `make quality` (docs/quality.md): a SmolLM2-135M draft that speeds its target up, built from
+# nothing on this CPU in <= 60 min. Each step resumes: a killed `make quality` goes on from there.
+QUALITY_DIR ?= outputs/quality
+QUALITY := +model=smollm2 +experiment=smollm2_quality
+QUALITY_DATA := $(QUALITY) data=jsonl data.path=$(QUALITY_DIR)/magpie.jsonl
+quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that pays off (<= 60 min)
+	@# 1. the target writes prompts (Magpie) and answers them; 16 more are kept for validation
+	test -f $(QUALITY_DIR)/magpie.jsonl || $(OFFLINE) $(PY) -m eagleforge.regenerate $(QUALITY) \
+		regenerate.output=$(QUALITY_DIR)/magpie.jsonl
+	@# 2. its hidden states, captured once
+	$(OFFLINE) $(PY) -m eagleforge.prepare $(QUALITY_DATA) prepare.output_dir=$(QUALITY_DIR)/features
+	@# 3. offline epochs; real tau on the held-out prompts picks checkpoints/best
+	$(OFFLINE) $(PY) -m eagleforge.train $(QUALITY_DATA) data.features=$(QUALITY_DIR)/features \
+		eval.prompts=$(QUALITY_DIR)/magpie.heldout.jsonl hydra.run.dir=$(QUALITY_DIR)/train
+	@# 4. on the bundled MT-bench-style prompts: chains and a tree, against the target alone
+	$(OFFLINE) $(PY) -m eagleforge.evaluate $(QUALITY) eval.draft=$(QUALITY_DIR)/train/checkpoints/best \
+		hydra.run.dir=$(QUALITY_DIR)/evaluation
 
 test: $(STAMP) ## Run the test suite (CPU; gpu tests skip without CUDA)
 	$(OFFLINE) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

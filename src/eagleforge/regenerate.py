@@ -27,8 +27,10 @@ from eagleforge.preflight import check_inputs
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
     config = to_typed(cfg)
-    # the server backend only talks to a server; the hf backend loads the target here
-    check_inputs(config, model=config.regenerate.backend == Backend.hf)
+    # the server backend only talks to a server; the hf backend loads the target here; with
+    # Magpie the target writes the prompts, and no data is read
+    regen = config.regenerate
+    check_inputs(config, model=regen.backend == Backend.hf, data=not regen.magpie.num_prompts)
     summary = run(config)
     print(
         f"{summary.written} conversations written to {config.regenerate.output} "
