@@ -10,7 +10,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo quality test test-all lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
+.PHONY: help venv demo quality test test-all test-quality lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ test: $(STAMP) ## Run the test suite (CPU; gpu tests skip without CUDA)
 
 test-all: $(STAMP) ## Run every test tier, slow ones included
 	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS)
+
+test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~15 min)
+	$(OFFLINE) $(PY) -m pytest -m quality -s $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff format check, ruff lint, mypy on src/
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts

@@ -41,12 +41,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--total-draft-tokens", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the target's dtype (model.dtype); the draft runs in float32")  # fmt: skip
     p.add_argument("--json", action="store_true", help="also print one JSON line")
     return p.parse_args()
 
 
 def build(args: argparse.Namespace) -> tuple[HFTarget, Eagle3Draft, object]:
-    config = to_typed(compose_config(["+model=smollm2", "output_dir=.", "tracker=console"]))
+    config = to_typed(
+        compose_config(
+            ["+model=smollm2", f"model.dtype={args.dtype}", "output_dir=.", "tracker=console"]
+        )
+    )
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     tokenizer = load_tokenizer(config.model, model_dir)
     device = torch.device("cpu")
@@ -153,6 +159,7 @@ def main() -> None:
         if args.topk == 1
         else [args.num_draft_tokens, args.topk, args.total_draft_tokens],
         "threads": torch.get_num_threads(),
+        "target_dtype": args.dtype,
         "target_alone_tokens_per_s": alone_tokens / alone_s,
         "hf_generate_tokens_per_s": args.max_new_tokens * len(prompts) / generate_s,
         "speculative_tokens_per_s": spec_tokens / spec_s,
@@ -181,7 +188,7 @@ def main() -> None:
         ("round: commit", f"{result['round_commit_ms']:.2f} ms"),
     ]  # fmt: skip
     width = max(len(name) for name, _ in rows)
-    print(f"decode: SmolLM2-135M, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+    print(f"decode: SmolLM2-135M ({args.dtype}), {len(prompts)} prompts x {args.max_new_tokens} tokens, "
           f"{result['threads']} threads, draft {result['draft']}")  # fmt: skip
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
