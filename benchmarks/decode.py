@@ -123,7 +123,7 @@ def main() -> None:
     alone_s, alone_tokens, alone_forwards = 0.0, 0, 0
     spec_s, spec_tokens, rounds, accepted, draft_steps = 0.0, 0, 0, 0, 0
     parts = dict.fromkeys(("prefill", "draft", "verify", "commit"), 0.0)
-    prefill_alone = 0.0
+    prefill_alone, same = 0.0, 0
     for ids in prompts:  # alternate the two loops prompt by prompt: same machine state
         base = decoder.generate_target_only(ids, generator)
         start = time.perf_counter()
@@ -134,7 +134,11 @@ def main() -> None:
         alone_tokens += len(base.output_ids)
         alone_forwards += base.target_forwards
         spec = decoder.generate(ids, generator)
-        assert spec.output_ids == base.output_ids, "speculative output differs from the target's"
+        # exact in fp32; in bf16 near-tied logits round differently in a one-token step and
+        # in a verification forward, and the outputs may part (docs/quality.md)
+        equal = spec.output_ids == base.output_ids
+        assert equal or args.dtype != "float32", "speculative output differs from the target's"
+        same += equal
         spec_s += spec.seconds
         spec_tokens += len(spec.output_ids)
         rounds += len(spec.accepted_lengths)
@@ -164,6 +168,7 @@ def main() -> None:
         "hf_generate_tokens_per_s": args.max_new_tokens * len(prompts) / generate_s,
         "speculative_tokens_per_s": spec_tokens / spec_s,
         "speedup": (spec_tokens / spec_s) / (alone_tokens / alone_s),
+        "outputs_equal_target": same,
         "tau": tau,
         "target_step_ms": 1e3 * target_step_s,
         "draft_step_ms": 1e3 * draft_step_s,
@@ -179,6 +184,7 @@ def main() -> None:
         ("transformers generate", f"{result['hf_generate_tokens_per_s']:.1f} tok/s"),
         ("speculative", f"{result['speculative_tokens_per_s']:.1f} tok/s"),
         ("speedup", f"{result['speedup']:.2f}x at tau {tau:.2f}"),
+        ("outputs = target's", f"{same} of {len(prompts)}"),
         ("target decode step", f"{result['target_step_ms']:.2f} ms"),
         ("draft step", f"{result['draft_step_ms']:.2f} ms "
                        f"({result['draft_step_over_target_step']:.1%} of a target step)"),

@@ -53,6 +53,7 @@ from eagleforge.prepare import expected_manifest
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.speculative.prompts import PromptRenderer
+from eagleforge.speculative.report import plot_tau_by_step
 from eagleforge.target import build_target
 from eagleforge.target.head import HeadOnlyTarget
 from eagleforge.target.hf import HFTarget
@@ -359,6 +360,9 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         report_profile(trainer.profiler, world, tracker)
     if world.is_main:
         tracker.log_artifact(write_summary(result, output_dir / "summary.json"))
+        if result.tau_by_step:  # the learning curve: real τ against the step
+            series = {"real τ": sorted(result.tau_by_step.items())}
+            tracker.log_artifact(plot_tau_by_step(series, output_dir / "tau_by_step.png"))
         print_summary(result, tracker)
     tracker.close()
     return result

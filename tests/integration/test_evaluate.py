@@ -220,3 +220,4 @@ def test_training_measures_real_tau_and_keeps_the_best_checkpoint(tmp_path: Path
     load_sglang(result.best_checkpoint)  # a complete draft directory
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert summary["tau_by_step"] == {str(k): v for k, v in result.tau_by_step.items()}
+    assert (tmp_path / "train" / "tau_by_step.png").stat().st_size > 0  # the learning curve
