@@ -60,7 +60,7 @@ test: $(STAMP) ## Run the test suite (CPU; gpu tests skip without CUDA)
 test-all: $(STAMP) ## Run every test tier, slow ones included
 	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS)
 
-test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~15 min)
+test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~10 min)
 	$(OFFLINE) $(PY) -m pytest -m quality -s $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff format check, ruff lint, mypy on src/
