@@ -618,13 +618,14 @@ def run_settings(config: EagleForgeConfig, rows: list[Row]) -> dict[str, Any]:
             "sha256": digest.hexdigest(),
         },
         "magpie": dataclasses.asdict(cfg.magpie) if magpie else None,
-        "seed": cfg.seed if magpie or cfg.temperature > 0 else None,
         "backend": cfg.backend.value,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens,
         "keep_reasoning": cfg.keep_reasoning,
         "num_samples": cfg.num_samples,
+        # last: a change of sampling is named by its own field first
+        "seed": cfg.seed if magpie or cfg.temperature > 0 else None,
     }
 
 
