@@ -91,14 +91,12 @@ class _CpuFlashKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = k.to(q.dtype), v.to(q.dtype)  # under CPU autocast, RoPE leaves k in fp32
+        # under CPU autocast v leaves its linear in bf16, while RoPE's fp32 cos/sin promote q
+        # and k: the kernel takes one dtype (no copy when they already agree)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # type: ignore[no-any-return]
-            q, k, v, 0.0, self.mask is None, attn_mask=self._mask(q)
+            q, k, v, 0.0, self.mask is None, attn_mask=self.mask
         )
-
-    def _mask(self, q: torch.Tensor) -> torch.Tensor | None:
-        """The additive mask in q's dtype, as the kernel takes it (bf16 under autocast)."""
-        return None if self.mask is None else self.mask.to(q.dtype)
 
     def backward(
         self,
@@ -110,10 +108,10 @@ class _CpuFlashKernel:
         lse_BNT: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # the kernel takes its log-sum-exp in fp32 whatever q's dtype (bf16 weights on CPU);
-        # autograd casts the gradients of k and v back to their own dtype
-        k, v, grad_out = k.to(q.dtype), v.to(q.dtype), grad_out.to(q.dtype)
+        # k and v as in forward: autograd casts their gradients back to their own dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
-            grad_out, q, k, v, out, lse_BNT.float(), 0.0, self.mask is None, attn_mask=self._mask(q)
+            grad_out, q, k, v, out, lse_BNT.float(), 0.0, self.mask is None, attn_mask=self.mask
         )
 
 
