@@ -60,8 +60,9 @@ from eagleforge.tracking import Tracker, build_tracker, flatten
 
 log = logging.getLogger("eagleforge.evaluate")
 
-# (prompt set, prompt id, turn) -> the target alone's decoding and transformers' generate's
-Baselines = dict[tuple[str, str, int], tuple[DecodeResult, DecodeResult | None]]
+# (prompt set, prompt id, prompt tokens) -> the target alone's decoding and transformers'
+# generate's; keyed by the tokens too, since a later turn's prompt holds the earlier answers
+Baselines = dict[tuple[str, str, tuple[int, ...]], tuple[DecodeResult, DecodeResult | None]]
 
 
 def draft_dirs(path: str) -> list[tuple[int, Path]]:
@@ -143,7 +144,7 @@ def evaluate_draft(
             seed = config.seed * 100_003 + index * 101 + turn
             generator = torch.Generator(device).manual_seed(seed)
             speculative = decoder.generate(prompt_ids, generator, images)
-            key = (prompts.name, item.id, turn)
+            key = (prompts.name, item.id, tuple(prompt_ids))
             baseline: DecodeResult | None
             reference: DecodeResult | None
             if baselines is not None and key in baselines:

@@ -84,7 +84,7 @@ class TrainerConfig:
     progress_bar: bool = True
     # The draft's compute dtype under autocast (weights and optimizer state keep
     # optimizer.fp32_master's): auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on a CPU
-    # with bf16 matrix units (avx512_bf16, AMX) trains about 1.6x faster (benchmarks/ttt_step.py).
+    # with bf16 matrix units (avx512_bf16, AMX) trains about 1.4x faster (docs/quality.md).
     compute_dtype: ComputeDType = ComputeDType.auto
     # auto: continue from the newest complete checkpoint in output_dir/checkpoints, if any
     # (weights, optimizer, scheduler, RNG and data position: the run goes on exactly as if
@@ -261,7 +261,7 @@ class Trainer:
         # global batches of the epoch used before its loader started (resumed runs), and this
         # rank's batches drawn from the loader since
         self.epoch_start, self.batches_into_epoch = 0, 0
-        self.tau_probe = tau_probe if cfg.eval_tau_every_n_steps else None
+        self.tau_probe = tau_probe  # rank 0's, when trainer.eval_tau_every_n_steps is set
         self.profiler = profiler
         self._replica: Eagle3Draft | None = None  # rank 0's whole draft for τ, when sharded
         self.stop = StopSignals()

@@ -570,6 +570,10 @@ class Summary:
         return self.rows / max(self.seconds, 1e-9)
 
 
+# the turn regenerate_rows writes after each Magpie prompt (read, never changed)
+ASSISTANT_TO_WRITE = {"role": "assistant", "content": ""}
+
+
 def magpie_rows(
     path: Path, cfg: RegenerateConfig, backend: Callable[[], Generate]
 ) -> tuple[list[Row], list[str]]:
@@ -587,8 +591,7 @@ def magpie_rows(
             )
     else:
         generate = backend()
-        if not isinstance(generate, HFBackend):  # a test's stand-in backend
-            raise ConfigError("regenerate.magpie needs regenerate.backend=hf.")
+        assert isinstance(generate, HFBackend)  # RegenerateConfig requires backend=hf
         prompts = generate.user_turns(wanted, magpie)
         write_lines_atomically(path, [json.dumps(p) for p in prompts])
     rows = [
@@ -596,9 +599,6 @@ def magpie_rows(
         for i, p in enumerate(prompts[: magpie.num_prompts])
     ]
     return rows, prompts[magpie.num_prompts :]
-
-
-ASSISTANT_TO_WRITE = {"role": "assistant", "content": ""}  # the turn regenerate_rows writes
 
 
 def run_settings(config: EagleForgeConfig, rows: list[Row]) -> dict[str, Any]:
