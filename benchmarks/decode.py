@@ -27,8 +27,8 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
 from eagleforge.speculative.decode import DecodeSettings, SpeculativeDecoder
 from eagleforge.speculative.prompts import load_prompts, render_prompt
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import load_tokenizer, resolve_model_dir
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import load_tokenizer, resolve_model_dir
 
 
 def parse_args() -> argparse.Namespace:

@@ -17,7 +17,7 @@ import time
 from eagleforge.data.conversations import DataFormat, normalise_row, read_rows
 from eagleforge.data.dataset import OnError, _Settings, preprocess_rows
 from eagleforge.data.template import make_renderer
-from eagleforge.target.source import bundled_smollm2_dir
+from eagleforge.targets.source import bundled_smollm2_dir
 
 
 def cache_dir() -> str:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from eagleforge.target import TargetConfig
-from eagleforge.target.custom import CustomTarget
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import bundled_smollm2_dir
+from eagleforge.targets import TargetConfig
+from eagleforge.targets.custom import CustomTarget
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import bundled_smollm2_dir
 
 
 def parse_args() -> argparse.Namespace:

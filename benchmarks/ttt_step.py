@@ -32,16 +32,10 @@ import time
 
 import torch
 
+from eagleforge.batch import TTTBatch, shift_left
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import (
-    TTTBatch,
-    count_positions,
-    loss_scales,
-    shift_left,
-    step_weights,
-    ttt_forward,
-)
-from eagleforge.target.teacher import compute_teacher
+from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
+from eagleforge.targets.teacher import compute_teacher
 
 
 def parse_args() -> argparse.Namespace:

@@ -204,7 +204,7 @@ def bundle(wheels: Path) -> int:
 def pack_fixtures(path: Path) -> None:
     """SmolLM2's tokenizer files and a chitchat_dataset package of its first conversations."""
     from eagleforge.data.conversations import chitchat_source_file
-    from eagleforge.target.source import bundled_smollm2_dir
+    from eagleforge.targets.source import bundled_smollm2_dir
 
     cache = Path(os.environ.get("EAGLEFORGE_CACHE_DIR", REPO / ".cache" / "eagleforge"))
     tokenizer_dir = bundled_smollm2_dir(cache)
@@ -291,7 +291,7 @@ def prebuild(work: Path) -> int:
     import transformers
 
     from eagleforge.config import compose_config, to_typed
-    from eagleforge.target.source import ModelSource, random_llama_dir, random_qwen2_5_vl_dir
+    from eagleforge.targets.source import ModelSource, random_llama_dir, random_qwen2_5_vl_dir
 
     tokenizer_dir = work / "fixtures" / "smollm2-tokenizer"
     cache = os.environ["EAGLEFORGE_CACHE_DIR"]
@@ -355,8 +355,8 @@ def evaluate(work: Path, device: str) -> int:
     from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
     from eagleforge.speculative.prompts import PromptRenderer
     from eagleforge.speculative.report import write_outputs
-    from eagleforge.target.hf import HFTarget
-    from eagleforge.target.source import load_tokenizer, resolve_model_dir
+    from eagleforge.targets.hf import HFTarget
+    from eagleforge.targets.source import load_tokenizer, resolve_model_dir
 
     drafts = [work / f"train-{b}" / "run" / "checkpoints" for b in ("sdpa", "eager", "flex")]
     draft = next((d for d in drafts if d.is_dir()), None)

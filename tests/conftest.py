@@ -34,7 +34,7 @@ def cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(cache_dir: Path) -> Path:
     """The bundled SmolLM2-135M-Instruct as an HF directory (converted once, ~20 s)."""
-    from eagleforge.target.source import bundled_smollm2_dir
+    from eagleforge.targets.source import bundled_smollm2_dir
 
     return bundled_smollm2_dir(cache_dir)
 

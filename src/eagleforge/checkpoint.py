@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums
 from eagleforge.formats import load_sglang, write_sglang
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import (
-    TTTModule,
     full_draft_state,
     load_draft_state,
     load_optimizer_state,

@@ -26,8 +26,8 @@ from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import DeviceKind, ParallelConfig
 from eagleforge.profiling import ProfileConfig
 from eagleforge.speculative.decode import EvalConfig
-from eagleforge.target import TargetBackendKind, TargetConfig
-from eagleforge.target.source import ModelConfig
+from eagleforge.targets import TargetBackendKind, TargetConfig
+from eagleforge.targets.source import ModelConfig
 from eagleforge.tracking import TrackerConfig
 from eagleforge.trainer import TrainerConfig
 

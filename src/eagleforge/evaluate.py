@@ -54,8 +54,8 @@ from eagleforge.speculative.report import (
     write_outputs,
     write_sets_table,
 )
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import load_processor, load_tokenizer, resolve_model_dir
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import load_processor, load_tokenizer, resolve_model_dir
 from eagleforge.tracking import Tracker, build_tracker, flatten
 
 log = logging.getLogger("eagleforge.evaluate")

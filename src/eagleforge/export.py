@@ -36,7 +36,7 @@ from eagleforge.formats import (
     read_draft,
     write_draft,
 )
-from eagleforge.target.source import ModelConfig, resolve_model_dir
+from eagleforge.targets.source import ModelConfig, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from eagleforge.data.inspection import (
 )
 from eagleforge.errors import exit_on_user_error
 from eagleforge.preflight import check_inputs
-from eagleforge.target.source import load_tokenizer, resolve_model_dir
+from eagleforge.targets.source import load_tokenizer, resolve_model_dir
 
 
 def inspect(cfg: DictConfig) -> None:

@@ -22,7 +22,7 @@ from eagleforge.data.corpora import check_hub_source
 from eagleforge.data.dataset import DataConfig, config_hub_source, mixture_hub_source
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
-from eagleforge.target.source import check_model_path
+from eagleforge.targets.source import check_model_path
 from eagleforge.tracking import TrackerConfig, TrackerKind
 
 

@@ -24,8 +24,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from eagleforge.batch import IMAGE_KEYS
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
-from eagleforge.data.dataset import IMAGE_KEYS, Collator, TokenizedDataset, build_datasets
+from eagleforge.data.dataset import Collator, TokenizedDataset, build_datasets
 from eagleforge.data.features import (
     Compression,
     Manifest,
@@ -36,8 +37,8 @@ from eagleforge.data.features import (
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
-from eagleforge.target import TargetBackend, build_target
-from eagleforge.target.source import (
+from eagleforge.targets import TargetBackend, build_target
+from eagleforge.targets.source import (
     VisionProcessor,
     load_processor,
     load_tokenizer,

@@ -27,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from eagleforge.batch import TTTBatch
 from eagleforge.checkpoint import (
     checksum_problem,
     explicit_checkpoint,
@@ -39,31 +40,31 @@ from eagleforge.data.dataset import DataReport, TokenizedDataset, build_datasets
 from eagleforge.data.features import FeatureDataset
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import TTTBatch, step_weights
+from eagleforge.draft.ttt import TTTModule, step_weights
 from eagleforge.errors import ConfigError, EagleForgeError
 from eagleforge.formats import check_draft, load_sglang
 from eagleforge.optim import apply_master_dtype, build_optimizer
 from eagleforge.parallel.dist import World, distributed
-from eagleforge.parallel.fsdp import TTTModule, shard_draft
+from eagleforge.parallel.fsdp import shard_draft
 from eagleforge.parallel.launch import is_main_process
 from eagleforge.parallel.tp import tp_axis
-from eagleforge.parallel.usp import SequenceParallel, check_heads, shard_sequence
+from eagleforge.parallel.usp import SequenceParallel, USPBackend, check_heads, shard_sequence
 from eagleforge.preflight import check_inputs
 from eagleforge.prepare import expected_manifest
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.speculative.prompts import PromptRenderer
 from eagleforge.speculative.report import plot_tau_by_step
-from eagleforge.target import build_target
-from eagleforge.target.head import HeadOnlyTarget
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import (
+from eagleforge.targets import build_target
+from eagleforge.targets.head import HeadOnlyTarget
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import (
     VisionProcessor,
     load_processor,
     load_tokenizer,
     resolve_model_dir,
 )
-from eagleforge.target.teacher import teacher_batch
+from eagleforge.targets.teacher import teacher_batch
 from eagleforge.tracking import (
     MLflowTracker,
     Tracker,
@@ -272,9 +273,11 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     t2d_V = draft.t2d
     ttt_length = config.draft.ttt_length
     sp = SequenceParallel.from_world(world)
+    ttt_attention: AttentionBackend | USPBackend = attention
     if attention == AttentionBackend.usp:
         check_heads(arch.num_attention_heads, arch.num_key_value_heads, sp.ulysses_size)
-    module = TTTModule(draft, ttt_length, attention, config.draft.compile, sp=sp)
+        ttt_attention = USPBackend(sp, ttt_length)
+    module = TTTModule(draft, ttt_length, ttt_attention, config.draft.compile)
     module = shard_draft(module, world, config.parallel)
 
     def make_batch(batch: dict[str, torch.Tensor]) -> TTTBatch:

@@ -27,17 +27,18 @@ import torch
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from eagleforge.batch import TTTBatch
 from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
-    TTTBatch,
+    TTTModule,
     count_positions,
     loss_scales,
     simulated_acceptance_length,
 )
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
-from eagleforge.parallel.fsdp import TTTModule, full_draft_state, set_gradient_sync
+from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
 from eagleforge.profiling import StepProfiler
 from eagleforge.tracking import Tracker
 

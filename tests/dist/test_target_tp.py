@@ -18,10 +18,10 @@ from eagleforge.errors import ConfigError
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import check_tp_fits, tp_axis
-from eagleforge.target import TargetBackendKind, TargetConfig, build_target
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import ModelConfig, resolve_model_dir
-from eagleforge.target.teacher import compute_teacher
+from eagleforge.targets import TargetBackendKind, TargetConfig, build_target
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import ModelConfig, resolve_model_dir
+from eagleforge.targets.teacher import compute_teacher
 
 pytestmark = pytest.mark.dist
 

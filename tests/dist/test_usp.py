@@ -13,19 +13,14 @@ from ranks import run_ranks
 
 from eagleforge.draft.attention import eager_ttt_attention
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig
-from eagleforge.draft.ttt import (
-    Teacher,
-    TTTBatch,
-    count_positions,
-    loss_scales,
-    step_weights,
-    ttt_forward,
-)
+from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
+from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.errors import ConfigError
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import World, init_distributed
 from eagleforge.parallel.usp import (
     SequenceParallel,
+    USPBackend,
     check_heads,
     shard_sequence,
     usp_ttt_attention,
@@ -162,7 +157,7 @@ def _ttt_matches_single_process(world: World) -> None:
         expected.loss.backward()
 
         chunk = shard_sequence(batch, sp, TTT_LENGTH)
-        stats = ttt_forward(parted, chunk, TTT_LENGTH, scale_k, AttentionBackend.usp, sp=sp)
+        stats = ttt_forward(parted, chunk, TTT_LENGTH, scale_k, USPBackend(sp, TTT_LENGTH))
         stats.loss.backward()
         if name == "early_loss_only" and sp.size > 1 and sp.chunk_index == sp.size - 1:
             assert int(stats.num_counted_k.sum()) == 0

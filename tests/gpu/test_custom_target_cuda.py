@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleforge.target import TargetConfig
-from eagleforge.target.custom import CustomTarget
-from eagleforge.target.hf import HFTarget
+from eagleforge.targets import TargetConfig
+from eagleforge.targets.custom import CustomTarget
+from eagleforge.targets.hf import HFTarget
 
 pytestmark = [
     pytest.mark.gpu,

@@ -32,9 +32,9 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import tp_axis
-from eagleforge.target import TargetConfig, build_target
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import ModelConfig, resolve_model_dir
+from eagleforge.targets import TargetConfig, build_target
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import ModelConfig, resolve_model_dir
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the rank spawner of the dist tier
 from ranks import run_ranks  # noqa: E402

@@ -16,10 +16,10 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import tp_axis
-from eagleforge.target import TargetBackendKind, TargetConfig, build_target
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import ModelConfig, resolve_model_dir
-from eagleforge.target.teacher import compute_teacher
+from eagleforge.targets import TargetBackendKind, TargetConfig, build_target
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import ModelConfig, resolve_model_dir
+from eagleforge.targets.teacher import compute_teacher
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the rank spawner of the dist tier
 from ranks import run_ranks  # noqa: E402

@@ -15,8 +15,8 @@ from eagleforge.config import compose_config
 from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
 from eagleforge.speculative.decode import DecodeSettings, SpeculativeDecoder
 from eagleforge.speculative.prompts import load_prompts
-from eagleforge.target import TargetConfig
-from eagleforge.target.hf import HFTarget
+from eagleforge.targets import TargetConfig
+from eagleforge.targets.hf import HFTarget
 
 pytestmark = pytest.mark.integration
 

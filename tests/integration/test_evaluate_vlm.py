@@ -20,8 +20,8 @@ from eagleforge.draft.model import Eagle3Draft
 from eagleforge.speculative.decode import DecodeSettings, SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import PromptRenderer, load_prompts
 from eagleforge.speculative.report import TurnRecord, summarise
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import load_processor, load_tokenizer, resolve_model_dir
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import load_processor, load_tokenizer, resolve_model_dir
 
 pytestmark = pytest.mark.integration
 

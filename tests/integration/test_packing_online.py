@@ -12,10 +12,10 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.data.dataset import TokenizedDataset, make_loader, pack_indices
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig, Eagle3Draft
 from eagleforge.draft.ttt import count_positions, ttt_forward
-from eagleforge.target import TargetConfig
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import resolve_model_dir
-from eagleforge.target.teacher import teacher_batch
+from eagleforge.targets import TargetConfig
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import resolve_model_dir
+from eagleforge.targets.teacher import teacher_batch
 from eagleforge.train import run
 
 pytestmark = pytest.mark.integration

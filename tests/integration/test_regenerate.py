@@ -93,7 +93,7 @@ def test_server_backend_rewrites_every_assistant_turn(server: str, tmp_path: Pat
 
 
 def _model_dir() -> Path:
-    from eagleforge.target.source import bundled_smollm2_dir
+    from eagleforge.targets.source import bundled_smollm2_dir
 
     return bundled_smollm2_dir(Path(os.environ["EAGLEFORGE_CACHE_DIR"]))
 

@@ -13,12 +13,12 @@ from tiny_drafts import tiny_draft
 
 from eagleforge.checkpoint import newest_checkpoint, save_checkpoint
 from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS
 from eagleforge.formats import check_draft, load_checked_draft
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
-from eagleforge.parallel.fsdp import TTTModule
 from eagleforge.train import resume_from
 
 pytestmark = pytest.mark.unit

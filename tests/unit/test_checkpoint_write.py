@@ -12,10 +12,10 @@ from tiny_drafts import tiny_draft
 import eagleforge.checkpoint as checkpoint_module
 from eagleforge.checkpoint import save_checkpoint
 from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
-from eagleforge.parallel.fsdp import TTTModule
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleforge.draft.loss import rows_per_chunk, soft_cross_entropy
+from eagleforge.batch import rows_per_chunk
+from eagleforge.draft.loss import soft_cross_entropy
 
 pytestmark = pytest.mark.unit
 

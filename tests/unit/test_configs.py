@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
 from eagleforge.data.dataset import build_datasets
 from eagleforge.errors import ConfigError
-from eagleforge.target.source import checked_aux_layer_ids, default_aux_layer_ids
+from eagleforge.targets.source import checked_aux_layer_ids, default_aux_layer_ids
 
 pytestmark = pytest.mark.unit
 

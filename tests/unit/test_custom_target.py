@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.errors import ConfigError
-from eagleforge.target import TargetBackendKind, TargetConfig
-from eagleforge.target.custom import CustomTarget
-from eagleforge.target.hf import HFTarget
+from eagleforge.targets import TargetBackendKind, TargetConfig
+from eagleforge.targets.custom import CustomTarget
+from eagleforge.targets.hf import HFTarget
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from tiny_drafts import tiny_draft
 
+from eagleforge.batch import shift_left
 from eagleforge.draft.model import AttentionBackend
-from eagleforge.draft.ttt import draft_step, shift_left
+from eagleforge.draft.ttt import draft_step
 from eagleforge.speculative.decode import DraftRunner
 
 pytestmark = pytest.mark.unit

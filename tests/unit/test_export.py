@@ -186,7 +186,7 @@ def _checkpoint_for(target_overrides: list[str], path: Path, seed: int = 0) -> P
 
     from eagleforge.config import compose_config, to_typed
     from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-    from eagleforge.target.source import resolve_model_dir
+    from eagleforge.targets.source import resolve_model_dir
 
     cfg = compose_config([*target_overrides, "data=chitchat", f"output_dir={path.parent}"])
     config = to_typed(cfg)
@@ -211,7 +211,7 @@ def test_speculators_verifier_is_the_trained_target_with_its_architectures(
 ) -> None:
     """A bundled or random target has no model.path: the verifier is the directory eagleforge
     built it in, and the architectures are read from its config.json."""
-    from eagleforge.target.source import RandomModelConfig, random_llama_dir
+    from eagleforge.targets.source import RandomModelConfig, random_llama_dir
 
     checkpoint = _checkpoint_for(["+model=tiny"], tmp_path / "step_00000001")
     out = export(ExportConfig(draft=str(checkpoint), format=DraftFormat.speculators))
@@ -250,7 +250,7 @@ def test_speculators_loads_the_export_with_its_verifier(tmp_path: Path) -> None:
     from speculators import SpeculatorModel
 
     from eagleforge.config import compose_config, to_typed
-    from eagleforge.target.source import resolve_model_dir
+    from eagleforge.targets.source import resolve_model_dir
 
     checkpoint = _checkpoint_for(["+model=tiny"], tmp_path / "step_00000001")
     out = export(ExportConfig(draft=str(checkpoint), format=DraftFormat.speculators))

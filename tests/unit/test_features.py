@@ -18,7 +18,7 @@ from eagleforge.data.features import (
 )
 from eagleforge.errors import DataError
 from eagleforge.prepare import capture_split
-from eagleforge.target import TargetOutput
+from eagleforge.targets import TargetOutput
 
 pytestmark = pytest.mark.unit
 

@@ -17,11 +17,11 @@ from eagleforge.checkpoint import save_checkpoint
 from eagleforge.data.features import write_shard
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.ttt import TTTModule
 from eagleforge.export import ExportConfig, export
 from eagleforge.formats import DraftFormat
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
-from eagleforge.parallel.fsdp import TTTModule
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +81,7 @@ def test_converted_model_weights_follow_the_umask(tmp_path: Path, umask: int) ->
     """The model cache (save_pretrained writes safetensors 0600 too)."""
     from safetensors.torch import save_file
 
-    from eagleforge.target.source import _atomic_build
+    from eagleforge.targets.source import _atomic_build
 
     def build(out: Path) -> None:
         (out / "config.json").write_text("{}")

@@ -8,10 +8,9 @@ import pytest
 import torch
 from tiny_drafts import tiny_draft
 
+from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
-    Teacher,
-    TTTBatch,
     count_positions,
     loss_scales,
     simulated_acceptance_length,

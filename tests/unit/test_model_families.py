@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from eagleforge.config import compose_config, group_choices, to_typed
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft, rope_inv_freq
-from eagleforge.target.source import ModelSource, default_aux_layer_ids
+from eagleforge.targets.source import ModelSource, default_aux_layer_ids
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from tiny_drafts import random_batch, tiny_draft
 from eagleforge.checkpoint import load_checkpoint, save_checkpoint
 from eagleforge.config import compose_config, to_typed
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
-from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
+from eagleforge.draft.ttt import TTTModule, count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.errors import ConfigError
 from eagleforge.optim import (
     ApolloConfig,
@@ -28,7 +28,6 @@ from eagleforge.optim import (
 )
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
-from eagleforge.parallel.fsdp import TTTModule
 
 pytestmark = pytest.mark.unit
 

@@ -7,16 +7,10 @@ import pytest
 import torch
 from tiny_drafts import tiny_draft
 
+from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.draft.attention import ttt_attention_mask
 from eagleforge.draft.model import AttentionBackend
-from eagleforge.draft.ttt import (
-    Teacher,
-    TTTBatch,
-    count_positions,
-    loss_scales,
-    step_weights,
-    ttt_forward,
-)
+from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
 
 pytestmark = pytest.mark.unit
 STEPS = 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleforge.draft.model import RMSNorm
+from eagleforge.layers import RMSNorm
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,8 @@ from transformers import LlamaConfig
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.errors import ConfigError
-from eagleforge.target import SGLangConfig, TargetBackendKind, TargetConfig, build_target
-from eagleforge.target.sglang import (
+from eagleforge.targets import SGLangConfig, TargetBackendKind, TargetConfig, build_target
+from eagleforge.targets.sglang import (
     INSTALL_HINT,
     RowLayout,
     SGLangRanks,
@@ -31,7 +31,7 @@ from eagleforge.target.sglang import (
     sglang_snapshot_layers,
     vocab_matrix_from_shards,
 )
-from eagleforge.target.source import ModelConfig, default_aux_layer_ids
+from eagleforge.targets.source import ModelConfig, default_aux_layer_ids
 
 pytestmark = pytest.mark.unit
 
@@ -104,7 +104,7 @@ def test_offline_training_does_not_load_the_target_so_sglang_checks_do_not_apply
 
 
 def test_module_imports_without_importing_sglang() -> None:
-    import eagleforge.target.sglang as module
+    import eagleforge.targets.sglang as module
 
     assert module.SGLangTarget is SGLangTarget
     if "sglang" not in sys.modules:  # nothing above pulled it in

@@ -78,7 +78,7 @@ def test_writer_temp_dir_is_named_by_its_writer(tmp_path: Path) -> None:
 
 
 def test_a_killed_model_conversion_is_cleaned_by_the_next_lookup(tmp_path: Path) -> None:
-    from eagleforge.target.source import _atomic_build
+    from eagleforge.targets.source import _atomic_build
 
     final = tmp_path / "models" / "converted"
     final.mkdir(parents=True)

@@ -12,16 +12,9 @@ from tiny_drafts import (
     tiny_draft,
 )
 
+from eagleforge.batch import Teacher, TTTBatch, shift_left
 from eagleforge.draft.model import Eagle3Draft
-from eagleforge.draft.ttt import (
-    Teacher,
-    TTTBatch,
-    count_positions,
-    counted_positions,
-    draft_step,
-    shift_left,
-    ttt_forward,
-)
+from eagleforge.draft.ttt import count_positions, counted_positions, draft_step, ttt_forward
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.data.conversations import DataFormat, read_conversations
 from eagleforge.data.dataset import Collator, DataConfig, build_datasets
 from eagleforge.errors import ConfigError, DataError
-from eagleforge.target.source import (
+from eagleforge.targets.source import (
     ModelConfig,
     ModelSource,
     RandomModelConfig,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from eagleforge.target import TargetConfig
-from eagleforge.target.hf import HFTarget
-from eagleforge.target.source import (
+from eagleforge.targets import TargetConfig
+from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.source import (
     ModelConfig,
     ModelSource,
     RandomModelConfig,

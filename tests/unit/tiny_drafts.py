@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import Teacher, TTTBatch
 
 
 def tiny_arch() -> DraftArchitecture:

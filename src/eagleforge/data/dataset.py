@@ -66,12 +66,10 @@ from eagleforge.errors import ConfigError, DataError
 from eagleforge.tempdirs import remove_stale_temps, writer_temp_dir
 
 if TYPE_CHECKING:
-    from eagleforge.target.source import VisionProcessor
+    from eagleforge.targets.source import VisionProcessor
 
 log = logging.getLogger(__name__)
 
-# The batch entries that carry a vision-language batch's images (Collator), for the target.
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 # Bump when rendering, tokenization or masking changes, so old cache entries are not reused.
 PIPELINE_VERSION = 4  # 4: rows with images are image_error rows in text runs
 CHUNK_ROWS = 256

@@ -443,8 +443,8 @@ class HFBackend:
     @classmethod
     def from_config(cls, cfg: RegenerateConfig, config: EagleForgeConfig) -> HFBackend:
         from eagleforge.parallel import resolve_device
-        from eagleforge.target.hf import HFTarget
-        from eagleforge.target.source import load_tokenizer, resolve_model_dir
+        from eagleforge.targets.hf import HFTarget
+        from eagleforge.targets.source import load_tokenizer, resolve_model_dir
 
         device = resolve_device(config.parallel)
         model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())

@@ -19,11 +19,12 @@ D head dim.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from eagleforge.errors import ConfigError
+from eagleforge.layers import causal_document_mask
 
 FLASH_CUDA_ONLY = (
     "draft.attention=flash runs on CUDA only (the flash-attn package); "
@@ -40,14 +41,8 @@ def ttt_attention_mask(
     Padding queries see every earlier real key, so no row is fully masked.
     """
     batch, seq = valid_BT.shape
-    device = valid_BT.device
-    valid = valid_BT.bool()
-    causal_TT = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-    step0_BTT = causal_TT.unsqueeze(0) & valid.unsqueeze(1)
-    if document_ids_BT is not None:
-        same_document = document_ids_BT.unsqueeze(2) == document_ids_BT.unsqueeze(1)
-        step0_BTT &= same_document | ~valid.unsqueeze(2)
-    diagonal_BTT = torch.eye(seq, dtype=torch.bool, device=device).expand(batch, seq, seq)
+    step0_BTT = causal_document_mask(valid_BT, document_ids_BT)
+    diagonal_BTT = torch.eye(seq, dtype=torch.bool, device=valid_BT.device).expand(batch, seq, seq)
     return torch.cat([step0_BTT] + [diagonal_BTT] * (num_steps - 1), dim=-1)
 
 
@@ -77,6 +72,26 @@ def eager_ttt_attention(
     probs_BNTS = torch.softmax(scores_BNTS, dim=-1).to(v_BKSD.dtype)
     out_BNTD = probs_BNTS @ v_BKSD
     return out_BNTD.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
+
+
+class StepZeroKernel(Protocol):
+    """How ``MergedTTTAttention`` attends to the step-0 keys: a flash kernel here, the ring of
+    sequence-parallel chunks in ``parallel/usp.py``. Tensors are [B, N, T, D] queries and
+    [B, K, T, D] keys and values; the log-sum-exp is [B, N, T]."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse_BNT: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class _CpuFlashKernel:
@@ -233,7 +248,7 @@ class _VarlenFlashKernel:
         return grads[0], grads[1], grads[2]
 
 
-class _MergedTTTAttention(torch.autograd.Function):
+class MergedTTTAttention(torch.autograd.Function):
     """Step-0 keys through a flash kernel, diagonal keys as dot products, merged by log-sum-exp.
 
     Backward runs the kernel's backward with the *merged* output and log-sum-exp, which gives
@@ -246,7 +261,7 @@ class _MergedTTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
-        kernel: _CpuFlashKernel | _VarlenFlashKernel,
+        kernel: StepZeroKernel,
         q_BNTD: torch.Tensor,
         k0_BKTD: torch.Tensor,
         v0_BKTD: torch.Tensor,
@@ -256,16 +271,16 @@ class _MergedTTTAttention(torch.autograd.Function):
         kv_heads = k0_BKTD.shape[1]
         kd, vd = diagonal[: len(diagonal) // 2], diagonal[len(diagonal) // 2 :]
         out0, lse0_BNT = kernel.forward(q_BNTD, k0_BKTD, v0_BKTD)
-        q_BKGTD = _grouped(q_BNTD.float(), kv_heads)
+        q_BKGTD = grouped_heads(q_BNTD.float(), kv_heads)
         scores_BKGTJ = (
             torch.stack([(q_BKGTD * k.float().unsqueeze(2)).sum(-1) * scale for k in kd], dim=-1)
             if kd
             else q_BKGTD.new_zeros(*q_BKGTD.shape[:-1], 0)
         )
-        lse0_BKGT = _grouped(lse0_BNT.float(), kv_heads)
+        lse0_BKGT = grouped_heads(lse0_BNT.float(), kv_heads)
         lse_BKGT = torch.logaddexp(lse0_BKGT, torch.logsumexp(scores_BKGTJ, dim=-1))
         probs_BKGTJ = torch.exp(scores_BKGTJ - lse_BKGT.unsqueeze(-1))
-        out = torch.exp(lse0_BKGT - lse_BKGT).unsqueeze(-1) * _grouped(out0.float(), kv_heads)
+        out = torch.exp(lse0_BKGT - lse_BKGT).unsqueeze(-1) * grouped_heads(out0.float(), kv_heads)
         for j, v in enumerate(vd):
             out += probs_BKGTJ[..., j, None] * v.float().unsqueeze(2)
         out = out.flatten(1, 2).to(q_BNTD.dtype)
@@ -281,10 +296,10 @@ class _MergedTTTAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dq, dk0, dv0 = ctx.kernel.backward(grad_out, q, k0, v0, out, lse)
         kv_heads = k0.shape[1]
-        g_BKGTD = _grouped(grad_out.float(), kv_heads)
-        q_BKGTD = _grouped(q.float(), kv_heads)
-        delta_BKGT = (g_BKGTD * _grouped(out.float(), kv_heads)).sum(-1)
-        dq_BKGTD = _grouped(dq.float(), kv_heads)
+        g_BKGTD = grouped_heads(grad_out.float(), kv_heads)
+        q_BKGTD = grouped_heads(q.float(), kv_heads)
+        delta_BKGT = (g_BKGTD * grouped_heads(out.float(), kv_heads)).sum(-1)
+        dq_BKGTD = grouped_heads(dq.float(), kv_heads)
         dkd, dvd = [], []
         for j, (k, v) in enumerate(zip(kd, vd, strict=True)):
             p_BKGT = probs_BKGTJ[..., j]
@@ -296,19 +311,19 @@ class _MergedTTTAttention(torch.autograd.Function):
         return None, dq_BKGTD.flatten(1, 2).to(q.dtype), dk0, dv0, *dkd, *dvd
 
 
-def _grouped(x_BN: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def grouped_heads(x_BN: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, N, ...] -> [B, K, G, ...]: query heads grouped by the kv head they share."""
     return x_BN.unflatten(1, (kv_heads, x_BN.shape[1] // kv_heads))
 
 
 def _merged(
-    kernel: _CpuFlashKernel | _VarlenFlashKernel,
+    kernel: StepZeroKernel,
     q_BNTD: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
 ) -> torch.Tensor:
     batch, num_heads, seq, head_dim = q_BNTD.shape
-    out = _MergedTTTAttention.apply(
+    out = MergedTTTAttention.apply(
         kernel,
         q_BNTD.contiguous(),
         keys[0].contiguous(),

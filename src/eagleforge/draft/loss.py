@@ -19,18 +19,13 @@ from typing import Any
 
 import torch
 
-# Chunks of rows are sized so that one [rows, width] fp32 tensor takes about this much memory.
-CHUNK_BYTES = 32 * 2**20
+from eagleforge.batch import CHUNK_BYTES, rows_per_chunk
+
 # The loss holds two such buffers per chunk (logits turned log-probs turned gradient, and the
 # teacher rows), so it uses half the budget each -- but at least LOSS_MIN_ROWS rows, since
 # every chunk also reads and writes the whole [W, H] lm_head gradient buffer once.
 LOSS_CHUNK_BYTES = CHUNK_BYTES // 2
 LOSS_MIN_ROWS = 256
-
-
-def rows_per_chunk(width: int, chunk_bytes: int = CHUNK_BYTES, min_rows: int = 16) -> int:
-    """How many [width] fp32 rows fit in ``chunk_bytes`` (at least ``min_rows``)."""
-    return max(min_rows, chunk_bytes // (4 * width))
 
 
 class _SoftCrossEntropy(torch.autograd.Function):

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from eagleforge.draft.attention import FLASH_CUDA_ONLY
 from eagleforge.errors import ConfigError
+from eagleforge.layers import RMSNorm, rotate_half
 
 
 class AttentionBackend(str, Enum):
@@ -184,41 +185,6 @@ class DraftArchitecture:
         return None if section is None else [int(n) for n in section]
 
 
-class _RMSNorm(torch.autograd.Function):
-    """weight * (x * rsqrt(mean(x^2) + eps)) with the normalisation in fp32 (as SGLang does).
-
-    Keeps only x and the [.., 1] rsqrt for backward -- autograd of the plain expression would
-    also keep the normalised x -- and recomputes that cheap elementwise product instead.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (x32 * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x, weight, rstd = ctx.saved_tensors
-        normed32 = x.float() * rstd
-        grad_weight = (grad_y * normed32.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
-        grad_normed32 = (grad_y * weight).float()
-        mean_dot = (grad_normed32 * normed32).mean(-1, keepdim=True)
-        grad_x = ((grad_normed32 - normed32 * mean_dot) * rstd).to(x.dtype)
-        return grad_x, grad_weight.to(weight.dtype), None
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, self.weight, self.eps)  # type: ignore[no-any-return]
-
-
 def rope_inv_freq(arch: DraftArchitecture) -> torch.Tensor:
     """Inverse RoPE frequencies [D/2], computed the way transformers computes the target's."""
     scaling = arch.rope_scaling or {}
@@ -238,11 +204,6 @@ def rope_inv_freq(arch: DraftArchitecture) -> torch.Tensor:
     )
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None)
     return inv_freq.float()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 class DraftAttention(nn.Module):

@@ -18,10 +18,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
+from eagleforge.batch import TTTBatch, shift_left
 from eagleforge.draft.attention import (
     eager_ttt_attention,
     flash_ttt_attention,
@@ -30,7 +32,6 @@ from eagleforge.draft.attention import (
 )
 from eagleforge.draft.loss import soft_cross_entropy
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
-from eagleforge.parallel.usp import SequenceParallel, USPAttention, halo_length
 
 # (q, keys, values, valid_BT, document_ids_BT) -> [B, T, N*D], as ``eager_ttt_attention``.
 AttentionFn = Callable[
@@ -44,46 +45,27 @@ AttentionFn = Callable[
     torch.Tensor,
 ]
 
+
+class UnrollAttention(Protocol):
+    """An attention backend with state across the steps of one unroll, given to the TTT as a
+    value: ``parallel/usp.py``'s sequence-parallel attention over this rank's chunk."""
+
+    @property
+    def halo(self) -> int:
+        """Look-ahead positions a batch must carry past its chunk (``shard_sequence``), or 0."""
+        ...
+
+    def __call__(self) -> AttentionFn:
+        """A fresh attention for one unroll."""
+        ...
+
+
 ATTENTION: dict[AttentionBackend, AttentionFn] = {
     AttentionBackend.eager: eager_ttt_attention,
     AttentionBackend.sdpa: sdpa_ttt_attention,
     AttentionBackend.flex: flex_ttt_attention,
     AttentionBackend.flash: flash_ttt_attention,
 }
-
-
-@dataclass
-class Teacher:
-    """What the loss needs from the target at each position t (predicting x_{t+1})."""
-
-    probs_BTW: torch.Tensor  # fp32 softmax over draft-vocab ids, renormalised
-    target_ids_BT: torch.Tensor  # argmax over the full target vocab
-    in_draft_BT: torch.Tensor  # bool: that argmax is a draft-vocab id
-
-
-@dataclass
-class TTTBatch:
-    """One micro-batch as the TTT sees it (right-padded)."""
-
-    input_ids_BT: torch.Tensor
-    valid_BT: torch.Tensor  # bool: real token (not padding)
-    loss_mask_BT: torch.Tensor  # bool: supervised (assistant) token
-    aux_BTA: torch.Tensor  # concat of the three target aux hidden states
-    teacher: Teacher
-    # Packed rows: the document of each position, and positions restarting at 0 per document.
-    document_ids_BT: torch.Tensor | None = None
-    position_ids_BT: torch.Tensor | None = None
-    # A vision-language target's M-RoPE positions (time, height, width) as the target used
-    # them; when set, the draft rotates by these instead of position_ids_BT.
-    position_ids_3BT: torch.Tensor | None = None
-    # Trailing positions only the shifts read (a sequence-parallel chunk's look-ahead, see
-    # parallel/usp.py): neither computed nor counted.
-    halo: int = 0
-
-    @property
-    def computed_length(self) -> int:
-        """Positions the draft computes (and counts): the sequence without the halo."""
-        return self.input_ids_BT.shape[1] - self.halo
 
 
 @dataclass
@@ -94,14 +76,6 @@ class TTTStats:
     loss_sum_k: torch.Tensor  # soft cross-entropy summed over counted positions (detached)
     num_counted_k: torch.Tensor  # counted positions (long)
     num_correct_k: torch.Tensor  # counted positions where d2t(argmax draft) == target argmax
-
-
-def shift_left(x_BT: torch.Tensor, n: int) -> torch.Tensor:
-    """out[:, t] = x[:, t + n], zero (False) past the end."""
-    out = torch.zeros_like(x_BT)
-    if n < x_BT.shape[1]:
-        out[:, : x_BT.shape[1] - n] = x_BT[:, n:]
-    return out
 
 
 def counted_positions(
@@ -170,19 +144,19 @@ def ttt_forward(
     batch: TTTBatch,
     ttt_length: int,
     loss_scale_k: torch.Tensor | None = None,
-    attention: AttentionBackend = AttentionBackend.eager,
+    attention: AttentionBackend | UnrollAttention = AttentionBackend.eager,
     compile: bool = False,
     loss_chunk_size: int | None = None,
-    sp: SequenceParallel | None = None,
 ) -> TTTStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts.
 
     ``loss_scale_k`` (see ``loss_scales``) multiplies each step's loss sum in the differentiable
     ``stats.loss``; without it (evaluation) no gradients are computed.
 
-    With ``attention=usp`` the batch is this rank's chunk (``shard_sequence``) and ``sp`` its
-    sequence-parallel ranks (one process when None); the stats are the chunk's. Every sp rank
-    must run the unroll, and its backward, together.
+    ``attention`` is a backend of ``draft/attention.py`` or, for sequence parallelism, the
+    ``USPBackend`` of ``parallel/usp.py``: the batch is then this rank's chunk
+    (``shard_sequence``) and the stats are the chunk's. Every sp rank must run the unroll, and
+    its backward, together.
     """
     input_ids, valid = batch.input_ids_BT, batch.valid_BT.bool()
     teacher = batch.teacher
@@ -196,15 +170,20 @@ def ttt_forward(
     positions = positions[..., :span]
     documents_BT = None if batch.document_ids_BT is None else batch.document_ids_BT[:, :span]
     attention_valid = None if bool(valid[:, :span].all()) else valid[:, :span]  # None: no padding
-    attend: AttentionBackend | AttentionFn = attention
-    if attention == AttentionBackend.usp:
-        sp = sp if sp is not None else SequenceParallel()
-        if sp.size > 1 and batch.halo < halo_length(ttt_length):
+    attend: AttentionBackend | AttentionFn
+    if isinstance(attention, AttentionBackend):
+        if attention not in ATTENTION:
             raise ValueError(
-                "attention=usp over several ranks takes this rank's chunk of the batch: "
-                "pass shard_sequence(batch, sp, ttt_length)"
+                f"attention={attention.value} needs its ranks: pass parallel.usp.USPBackend"
             )
-        attend = USPAttention(sp)
+        attend = attention
+    else:
+        if batch.halo < attention.halo:
+            raise ValueError(
+                "sequence-parallel attention over several ranks takes this rank's chunk of "
+                "the batch: pass shard_sequence(batch, sp, ttt_length)"
+            )
+        attend = attention()
     hidden_BTH = draft.fc(batch.aux_BTA[:, :span].to(draft.fc.weight.dtype))
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -283,3 +262,39 @@ def simulated_acceptance_length(acc_k: list[float]) -> float:
         survive *= acc
         tau += survive
     return tau
+
+
+class TTTModule(nn.Module):
+    """The draft with the unrolled training-time test as its forward."""
+
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        ttt_length: int,
+        attention: AttentionBackend | UnrollAttention,
+        compile: bool = False,
+        **ttt_options: Any,
+    ) -> None:
+        super().__init__()
+        self.draft = draft
+        self.ttt_length, self.attention, self.use_compile = ttt_length, attention, compile
+        self.ttt_options = ttt_options
+
+    def forward(
+        self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # A tuple of tensors, not TTTStats: FSDP2 hooks the backward through the outputs it
+        # can flatten.
+        stats = ttt_forward(
+            self.draft,
+            batch,
+            self.ttt_length,
+            loss_scale_k,
+            attention=self.attention,
+            compile=self.use_compile,
+            **self.ttt_options,
+        )
+        return stats.loss, stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k
+
+    def stats(self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
+        return TTTStats(*self(batch, loss_scale_k))

@@ -1,4 +1,5 @@
-"""The draft as one trainable module, data-parallel over every rank with FSDP2.
+"""The draft's training module (``draft/ttt.py``'s ``TTTModule``), data-parallel over every
+rank with FSDP2.
 
 ``TTTModule`` runs the whole unrolled TTT inside ``forward``, so FSDP2's hooks gather the
 draft's parameters once around all k steps (the loss reads ``lm_head.weight`` directly, not
@@ -25,49 +26,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from eagleforge.draft.model import AttentionBackend, Eagle3Draft
-from eagleforge.draft.ttt import TTTBatch, TTTStats, ttt_forward
+from eagleforge.draft.ttt import TTTModule
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import World
 
 # Names in this module's state dicts carry this prefix in front of the draft's own names.
 PREFIX = "draft."
-
-
-class TTTModule(nn.Module):
-    """The draft with the unrolled training-time test as its forward."""
-
-    def __init__(
-        self,
-        draft: Eagle3Draft,
-        ttt_length: int,
-        attention: AttentionBackend,
-        compile: bool = False,
-        **ttt_options: Any,
-    ) -> None:
-        super().__init__()
-        self.draft = draft
-        self.ttt_length, self.attention, self.use_compile = ttt_length, attention, compile
-        self.ttt_options = ttt_options
-
-    def forward(
-        self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        # A tuple of tensors, not TTTStats: FSDP2 hooks the backward through the outputs it
-        # can flatten.
-        stats = ttt_forward(
-            self.draft,
-            batch,
-            self.ttt_length,
-            loss_scale_k,
-            attention=self.attention,
-            compile=self.use_compile,
-            **self.ttt_options,
-        )
-        return stats.loss, stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k
-
-    def stats(self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
-        return TTTStats(*self(batch, loss_scale_k))
 
 
 def shard_draft(module: TTTModule, world: World, cfg: ParallelConfig) -> TTTModule:

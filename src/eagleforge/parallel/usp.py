@@ -4,8 +4,9 @@ The ``sp = sp_ulysses x sp_ring`` ranks of one sample hold the same offline batc
 sequence into sp contiguous chunks; the rank at mesh coordinates (ring r, ulysses u) owns
 chunk ``r * sp_ulysses + u``, so each ulysses group owns one contiguous *ring chunk*.
 ``shard_sequence`` cuts a rank's chunk out of the full batch, plus the look-ahead (halo) the
-TTT shifts read, and ``ttt_forward(..., attention=usp, sp=sp)`` computes the chunk's loss sums:
-summed over the sp ranks they are the single-process ones. Each TTT step's attention
+TTT shifts read, and ``ttt_forward(..., attention=USPBackend(sp, k))`` computes the chunk's
+loss sums: summed over the sp ranks they are the single-process ones. This module gives the
+draft that attention as a value (the draft imports nothing of it). Each TTT step's attention
 
 1. trades the sequence split for a head split inside the ulysses group (one all-to-all of
    q, k and v): each rank then holds its whole ring chunk for N / sp_ulysses query heads;
@@ -34,17 +35,15 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from eagleforge.draft.attention import _grouped, _MergedTTTAttention
+from eagleforge.batch import TTTBatch
+from eagleforge.draft.attention import MergedTTTAttention, grouped_heads
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
-
-if TYPE_CHECKING:  # ttt.py imports this module
-    from eagleforge.draft.ttt import TTTBatch
 
 
 @dataclass(frozen=True)
@@ -231,7 +230,7 @@ class _Transfer:
 
 class _RingKernel:
     """Step-0 attention of this rank's ring chunk of queries over the step-0 keys of its own
-    and every earlier ring chunk, in the kernel interface of ``_MergedTTTAttention``: forward
+    and every earlier ring chunk, in the kernel interface of ``MergedTTTAttention``: forward
     gives the output and log-sum-exp, backward takes the *merged* output and log-sum-exp.
 
     ``valid_RBL`` and ``document_ids_RBL`` (or None) describe every ring chunk's positions.
@@ -254,7 +253,7 @@ class _RingKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         size, own = self.sp.ring_size, self.sp.ring_rank
         with torch.autocast(q_BNLD.device.type, enabled=False):
-            q_BKGLD = _grouped(q_BNLD.float(), k_BKLD.shape[1])
+            q_BKGLD = grouped_heads(q_BNLD.float(), k_BKLD.shape[1])
             out_BKGLD = torch.zeros_like(q_BKGLD)
             lse_BKGL = torch.full(q_BKGLD.shape[:-1], float("-inf"), device=q_BNLD.device)
             kv_2BKSD = torch.stack([k_BKLD, v_BKLD])
@@ -286,10 +285,10 @@ class _RingKernel:
         kv_heads = k_BKLD.shape[1]
         scale = q_BNLD.shape[-1] ** -0.5
         with torch.autocast(q_BNLD.device.type, enabled=False):
-            q_BKGLD = _grouped(q_BNLD.float(), kv_heads)
-            grad_BKGLD = _grouped(grad_out_BNLD.float(), kv_heads)
-            lse_BKGL = _finite(_grouped(lse_BNL.float(), kv_heads))
-            delta_BKGL = (grad_BKGLD * _grouped(out_BNLD.float(), kv_heads)).sum(-1)
+            q_BKGLD = grouped_heads(q_BNLD.float(), kv_heads)
+            grad_BKGLD = grouped_heads(grad_out_BNLD.float(), kv_heads)
+            lse_BKGL = _finite(grouped_heads(lse_BNL.float(), kv_heads))
+            delta_BKGL = (grad_BKGLD * grouped_heads(out_BNLD.float(), kv_heads)).sum(-1)
             dq_BKGLD = torch.zeros_like(q_BKGLD)
             kv_2BKSD = torch.stack([k_BKLD, v_BKLD])
             dkv_2BKSD = torch.zeros(kv_2BKSD.shape, device=q_BNLD.device)
@@ -396,7 +395,7 @@ class USPAttention:
         q_BNLD, *new_kv = _ulysses(sp, [q_BNCD, *new_keys, *new_values], to_heads=True)
         self.keys_BKLD += new_kv[: len(new_keys)]
         self.values_BKLD += new_kv[len(new_keys) :]
-        out_BNLD = _MergedTTTAttention.apply(
+        out_BNLD = MergedTTTAttention.apply(
             self.kernel,
             q_BNLD,
             self.keys_BKLD[0],
@@ -444,3 +443,20 @@ def usp_ttt_attention(
     """``eager_ttt_attention``'s result for this rank's chunk, from this rank's chunk of every
     tensor (``keys[j]``/``values[j]`` are step j's [B, K, C, D], RoPE at global positions)."""
     return USPAttention(sp)(q_BNCD, keys, values, valid_BC, document_ids_BC)
+
+
+@dataclass(frozen=True)
+class USPBackend:
+    """The draft's attention under ``draft.attention=usp``, given to ``ttt_forward`` (and
+    ``TTTModule``) as a value: a fresh ``USPAttention`` for every unroll over these ranks."""
+
+    sp: SequenceParallel
+    ttt_length: int
+
+    @property
+    def halo(self) -> int:
+        """Look-ahead positions each chunk carries (``shard_sequence``); none in one process."""
+        return halo_length(self.ttt_length) if self.sp.size > 1 else 0
+
+    def __call__(self) -> USPAttention:
+        return USPAttention(self.sp)

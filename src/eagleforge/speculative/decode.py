@@ -44,7 +44,7 @@ import torch
 
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError
-from eagleforge.target.hf import HFTarget
+from eagleforge.targets.hf import HFTarget
 
 # Shape suffixes: M new positions, S key positions, V target vocab, W draft vocab,
 # H draft hidden, A aux width, K kv heads, D head dim. Positions are [M] (plain RoPE) or

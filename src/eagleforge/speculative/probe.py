@@ -8,7 +8,7 @@ from eagleforge.draft.model import Eagle3Draft
 from eagleforge.speculative.decode import EvalConfig, SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import PromptRenderer, load_prompt_sets
 from eagleforge.speculative.report import TurnRecord, summarise
-from eagleforge.target.hf import HFTarget
+from eagleforge.targets.hf import HFTarget
 
 
 class TauProbe:

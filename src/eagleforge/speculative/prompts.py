@@ -45,7 +45,7 @@ from eagleforge.errors import DataError
 from eagleforge.speculative.decode import PromptImages
 
 if TYPE_CHECKING:
-    from eagleforge.target.source import VisionProcessor
+    from eagleforge.targets.source import VisionProcessor
 
 log = logging.getLogger("eagleforge.evaluate")
 

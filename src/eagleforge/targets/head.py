@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from eagleforge.errors import ConfigError
-from eagleforge.target import TargetOutput
-from eagleforge.target.source import checked_aux_layer_ids
+from eagleforge.targets import TargetOutput
+from eagleforge.targets.source import checked_aux_layer_ids
 
 
 def _find_tensor(model_dir: Path, suffix: str) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eagleforge.draft.attention import ttt_attention_mask
+from eagleforge.layers import causal_document_mask
 
 # The layer kinds (transformers' config.layer_types) a mask can be built for here; others
 # (linear or recurrent layers) cannot run packed rows.
@@ -68,7 +68,7 @@ def attention_masks(
         return dict.fromkeys(layers)
     # causal within the document; (right) padding queries see the real keys before them,
     # as in transformers, so no row is empty
-    base_B1TT = ttt_attention_mask(attention_mask_BT.bool(), 1, document_ids_BT).unsqueeze(1)
+    base_B1TT = causal_document_mask(attention_mask_BT, document_ids_BT).unsqueeze(1)
     masks: dict[LayerAttention, torch.Tensor | None] = {}
     for layer in layers:
         if layer not in restricting:

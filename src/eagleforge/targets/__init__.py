@@ -27,7 +27,7 @@ from eagleforge.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from eagleforge.target.source import ModelConfig
+    from eagleforge.targets.source import ModelConfig
 
 
 class TargetBackendKind(str, Enum):
@@ -196,17 +196,17 @@ def build_target(
     mesh's "tp" axis (None: no tensor parallelism); ``aux_layer_ids`` overrides
     model.aux_layer_ids."""
     if target_cfg.backend == TargetBackendKind.sglang:
-        from eagleforge.target.sglang import SGLangTarget
+        from eagleforge.targets.sglang import SGLangTarget
 
         return SGLangTarget.from_config(
             model_cfg, target_cfg, model_dir, device, aux_layer_ids, tp_mesh
         )
     if target_cfg.backend == TargetBackendKind.custom:
-        from eagleforge.target.custom import CustomTarget
+        from eagleforge.targets.custom import CustomTarget
 
         return CustomTarget.from_config(
             model_cfg, target_cfg, model_dir, device, aux_layer_ids, tp_mesh
         )
-    from eagleforge.target.hf import HFTarget
+    from eagleforge.targets.hf import HFTarget
 
     return HFTarget.from_config(model_cfg, target_cfg, model_dir, device, aux_layer_ids, tp_mesh)

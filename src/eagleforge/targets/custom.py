@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from eagleforge.draft.model import RMSNorm, rotate_half
 from eagleforge.errors import ConfigError
-from eagleforge.target import TargetConfig, TargetOutput, forward_over_group
-from eagleforge.target.masks import LayerAttention, attention_masks, layer_attention
-from eagleforge.target.source import ModelConfig, checked_aux_layer_ids
+from eagleforge.layers import RMSNorm, rotate_half
+from eagleforge.targets import TargetConfig, TargetOutput, forward_over_group
+from eagleforge.targets.masks import LayerAttention, attention_masks, layer_attention
+from eagleforge.targets.source import ModelConfig, checked_aux_layer_ids
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.tp import check_tp_fits, full_weight, load_tensor_parallel
-from eagleforge.target import TargetConfig, TargetOutput, forward_over_group
-from eagleforge.target.masks import MASKABLE_KINDS, attention_masks, layer_attention
-from eagleforge.target.source import ModelConfig, checked_aux_layer_ids
+from eagleforge.targets import TargetConfig, TargetOutput, forward_over_group
+from eagleforge.targets.masks import MASKABLE_KINDS, attention_masks, layer_attention
+from eagleforge.targets.source import ModelConfig, checked_aux_layer_ids
 
 # Vision-language targets whose M-RoPE (contiguous time/height/width sections) the draft
 # implements.

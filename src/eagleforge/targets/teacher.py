@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from eagleforge.data.dataset import IMAGE_KEYS
-from eagleforge.draft.loss import rows_per_chunk
-from eagleforge.draft.ttt import Teacher, TTTBatch, shift_left
-from eagleforge.target import TargetOutput
+from eagleforge.batch import IMAGE_KEYS, Teacher, TTTBatch, rows_per_chunk, shift_left
+from eagleforge.targets import TargetOutput
 
 
 @torch.no_grad()

@@ -37,8 +37,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
-from eagleforge.target import SGLangConfig, TargetConfig, TargetOutput, forward_over_group
-from eagleforge.target.source import ModelConfig, default_aux_layer_ids
+from eagleforge.targets import SGLangConfig, TargetConfig, TargetOutput, forward_over_group
+from eagleforge.targets.source import ModelConfig, default_aux_layer_ids
 
 log = logging.getLogger(__name__)
 

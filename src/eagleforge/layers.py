@@ -1,0 +1,68 @@
+"""Torch building blocks the draft and the targets both use: RMSNorm, RoPE's half rotation,
+and the causal mask of padded or packed rows. Imports nothing of eagleforge.
+
+Shape suffixes: B batch, T sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def causal_document_mask(
+    valid_BT: torch.Tensor, document_ids_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Boolean mask [B, T, T]: True where query t sees key s -- s <= t, s a real token and, with
+    ``document_ids_BT`` (packed rows), in t's document. Padding queries see every earlier real
+    key, so no row is fully masked."""
+    seq = valid_BT.shape[1]
+    valid = valid_BT.bool()
+    causal_TT = torch.ones(seq, seq, dtype=torch.bool, device=valid_BT.device).tril()
+    mask_BTT = causal_TT.unsqueeze(0) & valid.unsqueeze(1)
+    if document_ids_BT is not None:
+        same_document = document_ids_BT.unsqueeze(2) == document_ids_BT.unsqueeze(1)
+        mask_BTT &= same_document | ~valid.unsqueeze(2)
+    return mask_BTT
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)) with the normalisation in fp32 (as SGLang does).
+
+    Keeps only x and the [.., 1] rsqrt for backward -- autograd of the plain expression would
+    also keep the normalised x -- and recomputes that cheap elementwise product instead.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        normed32 = x.float() * rstd
+        grad_weight = (grad_y * normed32.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+        grad_normed32 = (grad_y * weight).float()
+        mean_dot = (grad_normed32 * normed32).mean(-1, keepdim=True)
+        grad_x = ((grad_normed32 - normed32 * mean_dot) * rstd).to(x.dtype)
+        return grad_x, grad_weight.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, self.weight, self.eps)  # type: ignore[no-any-return]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
