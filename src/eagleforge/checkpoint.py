@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from eagleforge.atomic import atomic_directory
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
@@ -106,28 +105,15 @@ def _write(
     state: dict[str, Any],
     config_yaml: str,
 ) -> None:
-    tmp = final.with_name(f".tmp-{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_sglang(arch, tensors, tmp)
-        torch.save(state, tmp / TRAINING_STATE)
-        (tmp / "config.yaml").write_text(config_yaml)
-        record_checksums(tmp)
-        for file in tmp.iterdir():
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-        if final.exists():  # replacing (checkpoints/best): the old one stays whole until swapped
-            old = final.with_name(f".old-{final.name}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        with atomic_directory(final, replace=True, durable=True) as tmp:
+            write_sglang(arch, tensors, tmp)
+            torch.save(state, tmp / TRAINING_STATE)
+            (tmp / "config.yaml").write_text(config_yaml)
+            record_checksums(tmp)
     # disk full, quota, permissions -- safetensors and torch.save report them as their own
     # error types: keep what exists, say so
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
         raise CheckpointError(
             f"{final}: could not write the checkpoint ({reason}); the earlier "

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from huggingface_hub import try_to_load_from_cache
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from eagleforge.atomic import atomic_directory
 from eagleforge.config import conf_dir, register_configs, resolve_cache_dir
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats import (
@@ -131,15 +130,9 @@ def export(cfg: ExportConfig) -> Path:
     if out.exists():
         raise ConfigError(f"export.output_dir={out} exists; remove it or choose another directory.")
     verifier = _verifier(cfg, source) if cfg.format == DraftFormat.speculators else None
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out) as tmp:
         write_draft(arch, tensors, tmp, cfg.format, verifier, cfg.speculative_tokens)
         _verify(tmp, cfg.format, arch, tensors)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    os.rename(tmp, out)
     return out
 
 

@@ -12,11 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.atomic import this_host
 from eagleforge.config import compose_config, to_typed
 from eagleforge.data.features import FeatureDataset
 from eagleforge.errors import DataError
 from eagleforge.prepare import run as prepare
 from eagleforge.train import run as train
+from helpers.processes import dead_pid
 
 pytestmark = pytest.mark.integration
 
@@ -78,12 +80,13 @@ def test_rerun_completes_only_missing_shards(tmp_path: Path) -> None:
     train_dir = store / "train"
     kept = (train_dir / "shard_00000.safetensors").stat().st_mtime_ns
     (train_dir / "shard_00002.json").unlink()  # as if killed before the shard finished
-    (train_dir / ".tmp-shard_00002.safetensors").write_bytes(b"partial")
+    killed = f".tmp-shard_00002.safetensors.{dead_pid()}@{this_host()}"  # as atomic_file names it
+    (train_dir / killed).write_bytes(b"partial")
     with pytest.raises(DataError, match=r"shard_00002.safetensors: not finished \(no shard_00002"):
         FeatureDataset(train_dir)
     _prepare(tmp_path, tmp_path / "features")
     assert (train_dir / "shard_00000.safetensors").stat().st_mtime_ns == kept
-    assert not list(train_dir.glob(".tmp-*"))
+    assert not list(train_dir.glob(".*"))
     assert len(FeatureDataset(train_dir, verify_checksums=True)) == 23
 
 

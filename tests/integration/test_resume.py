@@ -14,12 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.atomic import this_host
 from eagleforge.checkpoint import TRAINING_STATE, read_progress
 from eagleforge.config import compose_config
 from eagleforge.errors import CheckpointError
 from eagleforge.files import CHECKSUMS
 from eagleforge.train import run
 from eagleforge.trainer import Trainer
+from helpers.processes import dead_pid
 
 pytestmark = pytest.mark.integration
 
@@ -50,14 +52,15 @@ def test_resumed_run_is_bit_identical(tmp_path: Path, packing: str) -> None:
     flipped = bytearray((resumed_dir / "step_00000004" / "model.safetensors").read_bytes())
     flipped[-1] ^= 0x01
     (resumed_dir / "step_00000004" / "model.safetensors").write_bytes(bytes(flipped))
-    (resumed_dir / ".tmp-step_00000006").mkdir()
-    (resumed_dir / ".tmp-step_00000006" / "model.safetensors").write_bytes(b"torn")
+    torn = resumed_dir / f".step_00000006.{dead_pid()}@{this_host()}.abcd1234"  # a killed save
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"torn")
     resumed = run(compose_config(overrides(tmp_path, "resumed", f"data.packing={packing}")))
     assert resumed.step == full.step == 6
     assert resumed.train_losses == full.train_losses[2:]  # steps 3..6, bit for bit
     final_full, final_resumed = weights(full.checkpoint), weights(resumed.checkpoint)
     assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
-    assert not list(resumed_dir.glob(".tmp-*"))
+    assert not list(resumed_dir.glob(".*"))
     assert resumed.final_eval == full.final_eval
 
 
@@ -187,7 +190,7 @@ def test_sigkill_at_any_point_then_resume_is_bit_identical(tmp_path: Path, kill_
     assert resumed.train_losses == full.train_losses[saved:]
     final_full, final_resumed = weights(full.checkpoint), weights(resumed.checkpoint)
     assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
-    assert not list(checkpoints.glob(".tmp-*"))  # a torn save was cleaned up
+    assert not list(checkpoints.glob(".*"))  # a torn save was cleaned up
 
 
 def test_rerunning_a_finished_run_does_nothing_and_names_its_checkpoint(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
     state = torch.load(checkpoint / TRAINING_STATE, weights_only=True)
     assert state["progress"]["step"] == 4 and "optimizer" in state and "rng" in state
     assert "model:" in (checkpoint / "config.yaml").read_text()
-    assert not list(checkpoint.parent.glob(".tmp-*"))
+    assert not list(checkpoint.parent.glob(".*"))
     load_sglang(checkpoint)
 
     import mlflow

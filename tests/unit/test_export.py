@@ -51,7 +51,7 @@ def test_each_format_reads_back_bit_identical(
     assert read_tensors.keys() == tensors.keys()
     assert all(torch.equal(read_tensors[k], tensors[k]) for k in tensors)
     assert check_draft(out, target_num_layers=5) == []  # vLLM cannot read the last layer
-    assert not list(tmp_path.glob(".tmp-*"))
+    assert not list(tmp_path.glob(".*"))
 
 
 def test_a_chain_of_exports_returns_to_the_same_bytes(trained: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ set (``data=ultrachat``) or a mixture (``data=mix``; ``eagleforge.data.corpora``
 hub id, subset, split, revision and ``datasets``' fingerprint of the downloaded files (and each
 corpus's share and the mixture seed). Entries are
 written to a temporary directory and renamed, so a crash never leaves one that later loads; the
-temporary directory of a killed write is removed by a later lookup (``eagleforge.tempdirs``).
+temporary directory of a killed write is removed by a later lookup (``eagleforge.atomic``).
 
 Conversations with images (``data.is_vlm``) bypass that cache on purpose: their token counts
 depend on image files the key does not hash, so they are preprocessed in every run (only
@@ -20,10 +20,8 @@ import hashlib
 import json
 import logging
 import multiprocessing
-import os
-import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -34,6 +32,7 @@ import torch
 from omegaconf import MISSING
 from tqdm.auto import tqdm
 
+from eagleforge.atomic import atomic_directory, remove_stale_temps
 from eagleforge.data.conversations import (
     ROW_CONVERTERS,
     DataFormat,
@@ -63,7 +62,6 @@ from eagleforge.data.template import (
     tokenize_rendered,
 )
 from eagleforge.errors import ConfigError, DataError
-from eagleforge.tempdirs import remove_stale_temps, writer_temp_dir
 
 if TYPE_CHECKING:
     from eagleforge.targets.source import VisionProcessor
@@ -475,28 +473,6 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def write_atomically(final: Path, write: Callable[[Path], None], complete_marker: str) -> None:
-    """``write(tmp_dir)`` then rename it to ``final``; concurrent writers leave one complete entry.
-
-    An existing ``final`` without ``complete_marker`` (left half-written by something else) is
-    replaced; temporary directories that killed writers left beside it are removed.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not (final / complete_marker).exists():
-        shutil.rmtree(final)
-    tmp = writer_temp_dir(final)
-    try:
-        write(tmp)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another writer finished first
-            if not (final / complete_marker).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _save(dataset: TokenizedDataset, report: DataReport, out: Path) -> None:
     import datasets
 
@@ -654,9 +630,8 @@ def preprocess_source(
             f"{source.describe()}: no usable conversation ({report.summary()}); check the rows and data.format, or inspect them with python -m eagleforge.inspect_data."
         )
     if vision is None:
-        write_atomically(
-            entry, lambda out: _save(dataset, report, out), complete_marker="report.json"
-        )
+        with atomic_directory(entry, complete="report.json") as out:
+            _save(dataset, report, out)
     return dataset, report, entry
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eagleforge.atomic import atomic_file
 from eagleforge.data.dataset import file_digest
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.files import save_safetensors
@@ -204,9 +204,8 @@ def _check_fields(
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def shard_name(index: int) -> str:
@@ -286,13 +285,10 @@ def write_shard(
         tensors["final"], tensors["final_scale"] = quantize_fp8(final, 1)
     else:
         tensors["aux"], tensors["final"] = aux.contiguous(), final.contiguous()
-    tmp = store / f".tmp-{name}.safetensors"
-    save_safetensors(tensors, tmp)
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    sha = file_digest(tmp)
     final_path = store / f"{name}.safetensors"
-    os.replace(tmp, final_path)
+    with atomic_file(final_path) as tmp:
+        save_safetensors(tensors, tmp)
+        sha = file_digest(tmp)
     record = {
         "samples": len(samples),
         "tokens": int(offsets[-1]),

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from eagleforge.atomic import atomic_file
 from eagleforge.data.conversations import (
     Conversation,
     RowError,
@@ -279,12 +280,8 @@ def unfinished_chunks(
 
 def write_lines_atomically(path: Path, lines: list[str]) -> None:
     """``lines`` as the whole of ``path``, through a temporary file and a rename."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "w") as f:
-        f.writelines(line + "\n" for line in lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in lines))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ and vLLM read it; ``t2d[v]`` is True for target ids in the draft vocabulary.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.atomic import atomic_file
 from eagleforge.files import save_safetensors
 
 
@@ -64,7 +64,6 @@ def cached_vocab_map(
         return VocabMap(d2t_W=tensors["d2t"], t2d_V=tensors["t2d"])
     vocab = build_vocab_map(count_supervised_tokens(samples, vocab_size), draft_vocab_size)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-    save_safetensors({"d2t": vocab.d2t_W, "t2d": vocab.t2d_V}, tmp)
-    os.replace(tmp, cache_file)  # atomic: readers see the old state or the complete file
+    with atomic_file(cache_file) as tmp:  # readers see the old state or the complete file
+        save_safetensors({"d2t": vocab.d2t_W, "t2d": vocab.t2d_V}, tmp)
     return vocab

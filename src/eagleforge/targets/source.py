@@ -20,8 +20,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -30,9 +28,9 @@ from typing import Any
 import torch
 from omegaconf import MISSING
 
+from eagleforge.atomic import atomic_directory, remove_stale_temps
 from eagleforge.errors import ConfigError
 from eagleforge.files import follow_umask
-from eagleforge.tempdirs import remove_stale_temps, writer_temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -222,19 +220,10 @@ def _atomic_build(final: Path, build) -> Path:  # type: ignore[no-untyped-def]
     if (final / "config.json").exists():
         remove_stale_temps(final.parent)  # what a conversion killed midway left behind
         return final
-    tmp = writer_temp_dir(final)
-    try:
+    with atomic_directory(final, complete="config.json") as tmp:
         build(tmp)
         for weights in tmp.glob("*.safetensors"):  # save_pretrained writes them 0600
             follow_umask(weights)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model dir
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first
-            if not (final / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
