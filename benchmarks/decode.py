@@ -25,9 +25,11 @@ import torch
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
-from eagleforge.speculative.decode import DecodeSettings, SpeculativeDecoder
+from eagleforge.speculative.config import DecodeSettings
+from eagleforge.speculative.decoder import SpeculativeDecoder
 from eagleforge.speculative.prompts import load_prompts, render_prompt
 from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.registry import build_hf_target
 from eagleforge.targets.source import load_tokenizer, resolve_model_dir
 
 
@@ -58,14 +60,14 @@ def build(args: argparse.Namespace) -> tuple[HFTarget, Eagle3Draft, object]:
     device = torch.device("cpu")
     if args.draft:
         from eagleforge.evaluate import load_draft
-        from eagleforge.formats import read_sglang_architecture
+        from eagleforge.formats.read import read_sglang_architecture
 
         arch = read_sglang_architecture(args.draft)
-        target = HFTarget.from_config(
+        target = build_hf_target(
             config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
         )
         return target, load_draft(args.draft, target, device), tokenizer
-    target = HFTarget.from_config(config.model, config.target, model_dir, device)
+    target = build_hf_target(config.model, config.target, model_dir, device)
     arch = DraftArchitecture.from_target(
         target.config, DraftConfig(draft_vocab_size=args.draft_vocab), target.aux_layer_ids
     )

@@ -14,8 +14,9 @@ import json
 import os
 import time
 
+from eagleforge.data.config import OnError
 from eagleforge.data.conversations import DataFormat, normalise_row, read_rows
-from eagleforge.data.dataset import OnError, _Settings, preprocess_rows
+from eagleforge.data.preprocess import _Settings, preprocess_rows
 from eagleforge.data.template import make_renderer
 from eagleforge.targets.source import bundled_smollm2_dir
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagleforge.targets import TargetConfig
+from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.custom import CustomTarget
 from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.source import bundled_smollm2_dir

@@ -350,12 +350,12 @@ def evaluate(work: Path, device: str) -> int:
     from eagleforge.config import compose_config, to_typed
     from eagleforge.evaluate import draft_dirs, evaluate_draft, load_draft
     from eagleforge.evaluate import run as run_evaluator
-    from eagleforge.formats import read_sglang_architecture
+    from eagleforge.formats.read import read_sglang_architecture
     from eagleforge.parallel import resolve_device
-    from eagleforge.speculative.decode import SpeculativeDecoder, eos_ids
+    from eagleforge.speculative.decoder import SpeculativeDecoder, eos_ids
     from eagleforge.speculative.prompts import PromptRenderer
     from eagleforge.speculative.report import write_outputs
-    from eagleforge.targets.hf import HFTarget
+    from eagleforge.targets.registry import build_hf_target
     from eagleforge.targets.source import load_tokenizer, resolve_model_dir
 
     drafts = [work / f"train-{b}" / "run" / "checkpoints" for b in ("sdpa", "eager", "flex")]
@@ -380,7 +380,7 @@ def evaluate(work: Path, device: str) -> int:
             renderer = PromptRenderer(load_tokenizer(config.model, model_dir))
             step, path = draft_dirs(str(draft))[-1]
             aux = read_sglang_architecture(path).aux_layer_ids
-            target = HFTarget.from_config(
+            target = build_hf_target(
                 config.model, config.target, model_dir, device, aux_layer_ids=aux
             )
             decoder = SpeculativeDecoder(

@@ -1,7 +1,7 @@
 """Training checkpoints: one directory per save, written under a temporary name, then renamed.
 
 A checkpoint directory is also an SGLang draft directory (``config.json`` +
-``model.safetensors``, see ``formats.py``), plus ``training_state.pt`` (optimizer state keyed by
+``model.safetensors``, see ``formats/``), plus ``training_state.pt`` (optimizer state keyed by
 parameter name, scheduler, every rank's RNG states, step, epoch and data position; plain
 tensors and containers only, loadable with ``torch.load(weights_only=True)``) and
 ``config.yaml``, the resolved run config, and ``checksums.json``, the sha256 of each of those
@@ -26,7 +26,8 @@ from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums
-from eagleforge.formats import load_sglang, write_sglang
+from eagleforge.formats.read import load_sglang
+from eagleforge.formats.write import write_sglang
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import (
     full_draft_state,

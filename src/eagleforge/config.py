@@ -15,18 +15,18 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from eagleforge.data.dataset import DataConfig
+from eagleforge.data.config import DataConfig
 from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
-from eagleforge.data.regenerate import RegenerateConfig
 from eagleforge.draft.model import AttentionBackend, DraftConfig
 from eagleforge.errors import ConfigError
-from eagleforge.formats import ExportConfig
+from eagleforge.formats.config import ExportConfig
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import DeviceKind, ParallelConfig
 from eagleforge.profiling import ProfileConfig
-from eagleforge.speculative.decode import EvalConfig
-from eagleforge.targets import TargetBackendKind, TargetConfig
+from eagleforge.regeneration.config import RegenerateConfig
+from eagleforge.speculative.config import EvalConfig
+from eagleforge.targets.config import TargetBackendKind, TargetConfig
 from eagleforge.targets.source import ModelConfig
 from eagleforge.tracking import TrackerConfig
 from eagleforge.trainer import TrainerConfig

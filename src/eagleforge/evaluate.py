@@ -32,10 +32,11 @@ from eagleforge.checkpoint import load_draft_weights
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError, exit_on_user_error
-from eagleforge.formats import load_checked_draft, read_sglang_architecture
+from eagleforge.formats.check import load_checked_draft
+from eagleforge.formats.read import read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
-from eagleforge.speculative.decode import DecodeResult, SpeculativeDecoder, eos_ids
+from eagleforge.speculative.decoder import DecodeResult, SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import (
     PromptRenderer,
     PromptSet,
@@ -55,6 +56,7 @@ from eagleforge.speculative.report import (
     write_sets_table,
 )
 from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.registry import build_hf_target
 from eagleforge.targets.source import load_processor, load_tokenizer, resolve_model_dir
 from eagleforge.tracking import Tracker, build_tracker, flatten
 
@@ -253,7 +255,7 @@ def run(cfg: DictConfig) -> list[Summary]:
         renderer = PromptRenderer(None, processor, data.min_pixels, data.max_pixels)
     else:
         renderer = PromptRenderer(load_tokenizer(config.model, model_dir))
-    target = HFTarget.from_config(
+    target = build_hf_target(
         config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
     )
     output_dir = Path(config.output_dir)

@@ -26,15 +26,11 @@ from omegaconf.errors import OmegaConfBaseException
 from eagleforge.atomic import atomic_directory
 from eagleforge.config import conf_dir, register_configs, resolve_cache_dir
 from eagleforge.errors import ConfigError, exit_on_user_error
-from eagleforge.formats import (
-    DraftFormat,
-    ExportConfig,
-    ExportDType,
-    Verifier,
-    check_draft,
-    read_draft,
-    write_draft,
-)
+from eagleforge.formats.check import check_draft
+from eagleforge.formats.config import ExportConfig, ExportDType
+from eagleforge.formats.kinds import DraftFormat
+from eagleforge.formats.read import read_draft
+from eagleforge.formats.write import Verifier, write_draft
 from eagleforge.targets.source import ModelConfig, resolve_model_dir
 
 log = logging.getLogger(__name__)

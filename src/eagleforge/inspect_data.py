@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 
 from eagleforge.config import conf_dir, register_configs, to_typed
 from eagleforge.data.conversations import DataFormat
-from eagleforge.data.dataset import preprocess_source
 from eagleforge.data.inspection import (
     ANSI_RESET,
     ANSI_SUPERVISED,
@@ -26,6 +25,7 @@ from eagleforge.data.inspection import (
     marked_sample,
     report_lines,
 )
+from eagleforge.data.preprocess import preprocess_source
 from eagleforge.errors import exit_on_user_error
 from eagleforge.preflight import check_inputs
 from eagleforge.targets.source import load_tokenizer, resolve_model_dir

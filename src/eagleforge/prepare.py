@@ -26,18 +26,21 @@ from tqdm import tqdm
 
 from eagleforge.batch import IMAGE_KEYS
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
-from eagleforge.data.dataset import Collator, TokenizedDataset, build_datasets
+from eagleforge.data.collate import Collator
 from eagleforge.data.features import (
     Compression,
     Manifest,
+    expected_manifest,
     shard_complete,
-    weight_hash,
     write_shard,
 )
+from eagleforge.data.preprocess import TokenizedDataset
+from eagleforge.data.split import build_datasets
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
-from eagleforge.targets import TargetBackend, build_target
+from eagleforge.targets.base import TargetBackend
+from eagleforge.targets.registry import build_target
 from eagleforge.targets.source import (
     VisionProcessor,
     load_processor,
@@ -46,22 +49,6 @@ from eagleforge.targets.source import (
 )
 
 log = logging.getLogger("eagleforge.prepare")
-
-
-def expected_manifest(config: EagleForgeConfig, model_dir: Path, target: Any) -> dict[str, Any]:
-    """The manifest fields a store must have for a run with this target (a target backend or a
-    HeadOnlyTarget): target, weights, layers, template, length."""
-    text = target.config.get_text_config()
-    return {
-        "target": config.model.name,
-        "weight_hash": weight_hash(model_dir),
-        "vocab_size": int(text.vocab_size),
-        "hidden_size": int(text.hidden_size),
-        "aux_layer_ids": list(target.aux_layer_ids),
-        "template": config.data.template,
-        "max_length": config.data.max_length,
-        "mrope": config.data.is_vlm,
-    }
 
 
 def bytes_per_token(
@@ -176,7 +163,15 @@ def run(config: EagleForgeConfig) -> Path:
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed, processor)
     dtype = config.model.dtype.torch_dtype(device)
     target = build_target(config.model, config.target, model_dir, device)
-    fields = expected_manifest(config, Path(model_dir), target)
+    fields = expected_manifest(
+        config.model.name,
+        Path(model_dir),
+        target.config.get_text_config(),
+        target.aux_layer_ids,
+        config.data.template,
+        config.data.max_length,
+        config.data.is_vlm,
+    )
     splits = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
     per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress, config.data.is_vlm)  # type: ignore[call-overload]
     tokens = sum(d.num_tokens() for _, d in splits)

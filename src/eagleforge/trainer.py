@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -39,7 +39,7 @@ from eagleforge.draft.ttt import (
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
-from eagleforge.profiling import StepProfiler
+from eagleforge.profiling import ProfileConfig, StepProfiler
 from eagleforge.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -229,53 +229,85 @@ class StopSignals:
             handler(signum, None)
 
 
+class BatchSource(Protocol):
+    """Where the trainer's micro-batches come from (``builder.TrainBatches``)."""
+
+    def train_loader(self, epoch: int, start: int = 0) -> torch.utils.data.DataLoader:
+        """This rank's batches of ``epoch`` in its seeded order, after ``start`` global ones."""
+        ...
+
+    def eval_loader(self) -> torch.utils.data.DataLoader | None:
+        """This rank's held-out batches; None without an eval split."""
+        ...
+
+    def make_batch(self, batch: dict[str, torch.Tensor]) -> TTTBatch:
+        """A collated batch (on the device) as the TTT sees it: the teacher computed."""
+        ...
+
+
+@dataclass
+class Components:
+    """Everything the trainer runs with, built from the config (``builder.build``)."""
+
+    module: TTTModule  # the draft with the unrolled TTT as its forward (FSDP-wrapped)
+    batches: BatchSource
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tracker: Tracker
+    weights_k: torch.Tensor  # loss weight of each TTT step
+    max_grad_norm: float  # 0 = no clipping
+    max_num_steps: int
+    world: World
+    output_dir: Path
+    config_yaml: str  # the resolved config, saved in every checkpoint
+    tau_probe: Callable[[Eagle3Draft], float] | None = None  # rank 0's real-τ measurement
+    checkpoint: Path | None = None  # the checkpoint to resume from
+    profile: ProfileConfig | None = None  # profile steps of the run (profile.enabled)
+
+
+def due(step: int, every_n_steps: int) -> bool:
+    """Whether something done every N steps (0 = never) is due at ``step``."""
+    return every_n_steps > 0 and step % every_n_steps == 0
+
+
 class Trainer:
-    def __init__(
-        self,
-        *,
-        module: TTTModule,
-        make_batch: Callable[[dict[str, torch.Tensor]], TTTBatch],
-        train_loader: Callable[[int, int], torch.utils.data.DataLoader],
-        eval_loader: torch.utils.data.DataLoader | None,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        tracker: Tracker,
-        cfg: TrainerConfig,
-        weights_k: torch.Tensor,
-        max_grad_norm: float,
-        max_num_steps: int,
-        world: World,
-        output_dir: Path,
-        config_yaml: str,
-        tau_probe: Callable[[Eagle3Draft], float] | None = None,
-        profiler: StepProfiler | None = None,
-    ) -> None:
-        self.module, self.make_batch = module, make_batch
-        self.train_loader, self.eval_loader = train_loader, eval_loader
-        self.optimizer, self.scheduler, self.tracker = optimizer, scheduler, tracker
-        self.cfg, self.ttt_length, self.weights_k = cfg, module.ttt_length, weights_k
-        self.max_grad_norm, self.max_num_steps = max_grad_norm, max_num_steps
-        self.world, self.device = world, world.device
-        self.output_dir, self.config_yaml = output_dir, config_yaml
+    def __init__(self, cfg: TrainerConfig, parts: Components) -> None:
+        self.cfg, self.parts = cfg, parts
+        self.module, self.batches, self.world = parts.module, parts.batches, parts.world
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.tracker, self.output_dir = parts.tracker, parts.output_dir
+        self.ttt_length, self.weights_k = parts.module.ttt_length, parts.weights_k
+        self.max_num_steps, self.device = parts.max_num_steps, parts.world.device
+        self.eval_loader = parts.batches.eval_loader()
         self.step, self.epoch = 0, 0
         self.resumed_from: Path | None = None
         # global batches of the epoch used before its loader started (resumed runs), and this
         # rank's batches drawn from the loader since
         self.epoch_start, self.batches_into_epoch = 0, 0
-        self.tau_probe = tau_probe  # rank 0's, when trainer.eval_tau_every_n_steps is set
-        self.profiler = profiler
+        self.tau_probe = parts.tau_probe  # rank 0's, when trainer.eval_tau_every_n_steps is set
+        self.profiler: StepProfiler | None = None
         self._replica: Eagle3Draft | None = None  # rank 0's whole draft for τ, when sharded
         self.stop = StopSignals()
         bf16 = cfg.compute_dtype == ComputeDType.bfloat16 or (
             cfg.compute_dtype == ComputeDType.auto and self.device.type == "cuda"
         )
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        if parts.checkpoint is not None:
+            self.resume(parts.checkpoint)
+        if parts.profile is not None:  # counts from the step the run starts at
+            self.profiler = StepProfiler(
+                parts.profile, self.output_dir / "profile", self.world.rank, self.device, self.step
+            )
+
+    def due(self, every_n_steps: int) -> bool:
+        """Whether something done every N steps (0 = never) is due at this step."""
+        return due(self.step, every_n_steps)
 
     def micro_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Micro-batches forever, epoch after epoch, each epoch in its own seeded order; a
         resumed run starts after the batches its epoch had already used."""
         while True:
-            loader = self.train_loader(self.epoch, self.epoch_start)
+            loader = self.batches.train_loader(self.epoch, self.epoch_start)
             for batch in loader:
                 self.batches_into_epoch += 1
                 yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -317,7 +349,7 @@ class Trainer:
         log.info("resumed from %s at step %d (epoch %d)", checkpoint, self.step, self.epoch)
 
     def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
-        batches = [self.make_batch(b) for b in raw]
+        batches = [self.batches.make_batch(b) for b in raw]
         counts_k = torch.stack([count_positions(b, self.ttt_length) for b in batches]).sum(0)
         scale_k = loss_scales(self.world.all_reduce_sum(counts_k), self.weights_k)
         sums = StepSums.zeros(self.ttt_length)
@@ -334,7 +366,7 @@ class Trainer:
                 int(batch.valid_BT[:, : batch.computed_length].sum()),
             )
         params = [p for p in self.module.parameters() if p.requires_grad]
-        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        max_norm = self.parts.max_grad_norm if self.parts.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.optimizer.step()
@@ -347,7 +379,7 @@ class Trainer:
         self.module.eval()
         sums = StepSums.zeros(self.ttt_length)
         for raw in self.eval_loader:
-            batch = self.make_batch({k: v.to(self.device) for k, v in raw.items()})
+            batch = self.batches.make_batch({k: v.to(self.device) for k, v in raw.items()})
             with self.autocast:
                 stats = self.module.stats(batch)
             sums.add(
@@ -371,7 +403,7 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             self.progress(),
-            self.config_yaml,
+            self.parts.config_yaml,
             self.world,
         )
         if name is None and self.cfg.keep_last_n is not None and self.world.is_main:
@@ -417,7 +449,7 @@ class Trainer:
 
     def _preempted(self, result: TrainResult) -> TrainResult:
         """After a stop signal (StopSignals): the step is finished; save it and report it."""
-        if not (self.cfg.save_every_n_steps and self.step % self.cfg.save_every_n_steps == 0):
+        if not self.due(self.cfg.save_every_n_steps):
             result.checkpoint = self.save()
         result.step, result.preempted_by = self.step, self.stop.signal
         log.warning(
@@ -484,7 +516,8 @@ class Trainer:
                 acc_0=f"{step_metrics['train/acc_0']:.3f}",
                 tok_s=f"{tokens_per_s:.0f}",
             )
-            if self.step % cfg.log_every_n_steps == 0 or self.step == self.max_num_steps:
+            last_step = self.step == self.max_num_steps  # saved below, after the final eval
+            if self.due(cfg.log_every_n_steps) or last_step:
                 metrics = window.metrics("train", self.weights_k)
                 metrics.update(
                     {
@@ -496,18 +529,11 @@ class Trainer:
                 )
                 self.tracker.log_metrics(metrics, step=self.step)
                 window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
-            if (
-                self.eval_loader is not None
-                and cfg.eval_every_n_steps
-                and self.step % cfg.eval_every_n_steps == 0
-            ):
+            if self.eval_loader is not None and self.due(cfg.eval_every_n_steps):
                 self._eval_and_log(result)
-            last_step = self.step == self.max_num_steps  # saved below, after the final eval
-            if cfg.save_every_n_steps and self.step % cfg.save_every_n_steps == 0 and not last_step:
+            if self.due(cfg.save_every_n_steps) and not last_step:
                 result.checkpoint = self.save()
-            if cfg.eval_tau_every_n_steps and (
-                self.step % cfg.eval_tau_every_n_steps == 0 or last_step
-            ):
+            if cfg.eval_tau_every_n_steps and (self.due(cfg.eval_tau_every_n_steps) or last_step):
                 self._measure_tau(result)
             # all ranks stop together; at the last step the run ends normally (eval, save)
             if not last_step and self.world.any(self.stop.signal is not None):
@@ -515,9 +541,7 @@ class Trainer:
                 bar.close()
                 return self._preempted(result)
         bar.close()
-        if self.eval_loader is not None and not (
-            cfg.eval_every_n_steps and self.step % cfg.eval_every_n_steps == 0
-        ):
+        if self.eval_loader is not None and not self.due(cfg.eval_every_n_steps):
             self._eval_and_log(result)
         result.checkpoint = self.save()
         result.step = self.step

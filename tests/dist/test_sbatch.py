@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_fsdp_training import descendants
+from helpers.processes import descendants
+from helpers.runs import TINY_RUN, with_extras
 
 pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[2]
@@ -110,9 +111,9 @@ def fake_slurm(tmp_path: Path) -> dict[str, str]:
 
 def start(tmp_path: Path, *overrides: str) -> subprocess.Popen[str]:
     """``sbatch`` the script from tmp_path (a submit dir with nothing in it) for 2 CPU tasks."""
-    args = ["+model=tiny", "data=chitchat", "data.max_num_samples=30", "data.num_eval_samples=4",
-            "data.max_length=64", "trainer.progress_bar=false", "parallel.device=cpu",
-            "tracker=console", "trainer.log_every_n_steps=1", *overrides]  # fmt: skip
+    args = with_extras(TINY_RUN, "data.max_num_samples=30", "data.num_eval_samples=4",
+                       "data.max_length=64", "parallel.device=cpu",
+                       "trainer.log_every_n_steps=1", *overrides)  # fmt: skip
     return subprocess.Popen(
         ["sbatch", "--ntasks-per-node=2", "--cpus-per-task=1", str(SCRIPT), *args],
         cwd=tmp_path, env=fake_slurm(tmp_path), stdout=subprocess.PIPE,

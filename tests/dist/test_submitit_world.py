@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ranks import free_port
+from helpers.ranks import free_port
 
 pytestmark = pytest.mark.dist
 

@@ -11,14 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ranks import run_ranks
+from helpers.ranks import run_ranks
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.errors import ConfigError
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import check_tp_fits, tp_axis
-from eagleforge.targets import TargetBackendKind, TargetConfig, build_target
+from eagleforge.targets.registry import build_target
+from eagleforge.targets.config import TargetBackendKind, TargetConfig
 from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.source import ModelConfig, resolve_model_dir
 from eagleforge.targets.teacher import compute_teacher
@@ -104,7 +105,12 @@ def test_each_tp_rank_gets_its_own_rows(
     _check_against_one_process(ranks, model_dir)
 
 
-@pytest.mark.parametrize("backend", [TargetBackendKind.hf, TargetBackendKind.custom])
+# custom is slow only: its tp sharding runs by default in test_each_tp_rank_gets_its_own_rows,
+# and the tp groups beside dp ranks with hf.
+@pytest.mark.parametrize(
+    "backend",
+    [TargetBackendKind.hf, pytest.param(TargetBackendKind.custom, marks=pytest.mark.slow)],
+)
 def test_tp_groups_beside_data_parallel_ranks(
     tiny: tuple[ModelConfig, Path], backend: TargetBackendKind
 ) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.runs import tiny_run_overrides
 
 pytestmark = pytest.mark.dist
 
@@ -19,13 +20,14 @@ def test_torchrun_two_processes_train_and_save(tmp_path: Path) -> None:
     command = [
         str(torchrun) if torchrun.exists() else shutil.which("torchrun") or "torchrun",
         "--standalone", "--nproc-per-node", "2", "-m", "eagleforge.train",
-        "+model=tiny", "data=chitchat", "data.max_num_samples=30", "data.num_eval_samples=4",
-        "data.max_length=64", "trainer.max_num_steps=2", "trainer.progress_bar=false",
-        "parallel.device=cpu", "parallel.num_threads=1", "tracker=mlflow",
-        # real τ on rank 0, from a whole copy of the sharded draft
-        "trainer.eval_tau_every_n_steps=2", "trainer.eval_tau_prompts=1",
-        "eval.max_new_tokens=8",
-        f"output_root={tmp_path}",
+        *tiny_run_overrides(
+            tmp_path, "data.max_num_samples=30", "data.num_eval_samples=4", "data.max_length=64",
+            "trainer.max_num_steps=2", "parallel.device=cpu", "parallel.num_threads=1",
+            "tracker=mlflow",
+            # real τ on rank 0, from a whole copy of the sharded draft
+            "trainer.eval_tau_every_n_steps=2", "trainer.eval_tau_prompts=1",
+            "eval.max_new_tokens=8", name=None,
+        ),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import run_ranks
+from helpers.ranks import run_ranks
 
 from eagleforge.draft.attention import eager_ttt_attention
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig
@@ -26,8 +26,7 @@ from eagleforge.parallel.usp import (
     usp_ttt_attention,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from tiny_drafts import tiny_arch, tiny_draft  # noqa: E402
+from helpers.drafts import tiny_arch, tiny_draft
 
 pytestmark = pytest.mark.dist
 

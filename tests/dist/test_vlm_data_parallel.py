@@ -9,28 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import run_ranks
-from test_fsdp_training import assert_close_weights, train, weights
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
-from test_vlm_train import tiny_vl, write_data  # noqa: E402
+from helpers.ranks import run_ranks
+from helpers.runs import assert_close_weights, train_on_rank, weights
+from helpers.vlm import tiny_vl_run_overrides, write_data
 
 pytestmark = pytest.mark.dist
 
 
-def _overrides(data: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        *tiny_vl(data), "data.num_eval_samples=0", "trainer.batch_size=1",
-        "trainer.max_num_steps=2", "trainer.progress_bar=false", "draft.ttt_length=2",
-        "optimizer.lr=1e-3", "optimizer.eps=1e-4", "parallel.device=cpu", "tracker=console",
-        f"output_root={out.parent}", f"output_dir={out}", *extra,
-    ]  # fmt: skip
+def _overrides(data: Path, tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return tiny_vl_run_overrides(
+        data, tmp_path, "data.num_eval_samples=0", "trainer.batch_size=1", "optimizer.lr=1e-3",
+        "optimizer.eps=1e-4", "parallel.device=cpu", *extra, name=name,
+    )  # fmt: skip
 
 
 def test_vlm_two_ranks_train_like_one_process(tmp_path: Path) -> None:
     data = write_data(tmp_path / "data")
-    one = train(0, _overrides(data, tmp_path / "one", "trainer.grad_accum_steps=2"))
-    ranks = run_ranks(train, 2, _overrides(data, tmp_path / "two", "parallel.dp=2"))
+    one = train_on_rank(0, _overrides(data, tmp_path, "one", "trainer.grad_accum_steps=2"))
+    ranks = run_ranks(train_on_rank, 2, _overrides(data, tmp_path, "two", "parallel.dp=2"))
     (losses_0, _, checkpoint), (losses_1, _, _) = ranks
     assert losses_0 == losses_1 and len(losses_0) == 2
     torch.testing.assert_close(torch.tensor(losses_0), torch.tensor(one[0]), rtol=1e-4, atol=1e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ranks import run_ranks
+from helpers.ranks import run_ranks
 
 from eagleforge.errors import ConfigError
 from eagleforge.parallel import ParallelConfig, ParallelDims

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleforge.targets import TargetConfig
+from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.custom import CustomTarget
 from eagleforge.targets.hf import HFTarget
 

@@ -13,6 +13,7 @@ import torch
 from eagleforge.config import compose_config
 from eagleforge.evaluate import run as evaluate
 from eagleforge.train import run as train
+from helpers.runs import tiny_run_overrides
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,17 +31,9 @@ def test_cuda_evaluation_is_lossless(tmp_path: Path, tree: bool) -> None:
               f"output_root={tmp_path}"]  # fmt: skip
     train(
         compose_config(
-            [
-                *common,
-                "data=chitchat",
-                "data.max_num_samples=80",
-                "data.num_eval_samples=4",
-                "data.max_length=96",
-                "trainer.max_num_steps=4",
-                "draft.attention=sdpa",
-                "trainer.progress_bar=false",
-                f"output_dir={tmp_path / 'train'}",
-            ]  # fmt: skip
+            tiny_run_overrides(
+                tmp_path, *common, "data.num_eval_samples=4", "draft.attention=sdpa", name="train"
+            )
         )
     )
     decoding = ["eval.topk=3", "eval.total_draft_tokens=8"] if tree else []

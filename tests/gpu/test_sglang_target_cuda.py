@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +31,11 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import tp_axis
-from eagleforge.targets import TargetConfig, build_target
+from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.registry import build_target
 from eagleforge.targets.source import ModelConfig, resolve_model_dir
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the rank spawner of the dist tier
-from ranks import run_ranks  # noqa: E402
+from helpers.ranks import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -5,7 +5,6 @@ transformers target computes them."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +15,12 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import init_distributed
 from eagleforge.parallel.tp import tp_axis
-from eagleforge.targets import TargetBackendKind, TargetConfig, build_target
+from eagleforge.targets.config import TargetBackendKind, TargetConfig
 from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.registry import build_target
 from eagleforge.targets.source import ModelConfig, resolve_model_dir
 from eagleforge.targets.teacher import compute_teacher
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the rank spawner of the dist tier
-from ranks import run_ranks  # noqa: E402
+from helpers.ranks import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,

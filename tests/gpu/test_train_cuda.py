@@ -9,17 +9,13 @@ import torch
 
 from eagleforge.config import compose_config
 from eagleforge.train import run
+from helpers.runs import tiny_run_overrides
 
 pytestmark = pytest.mark.gpu
 
 
 def test_tiny_run_on_cuda(tmp_path: Path) -> None:
-    overrides = [
-        "+model=tiny", "data=chitchat", "data.max_num_samples=80", "data.num_eval_samples=6",
-        "data.max_length=96", "trainer.batch_size=2", "trainer.max_num_steps=4",
-        "trainer.progress_bar=false", "parallel.device=cuda", "tracker=console",
-        f"output_root={tmp_path}", f"output_dir={tmp_path / 'run'}",
-    ]  # fmt: skip
+    overrides = tiny_run_overrides(tmp_path, "trainer.batch_size=2", "parallel.device=cuda")
     result = run(compose_config(overrides))
     assert result.step == 4
     assert all(torch.isfinite(torch.tensor(result.train_losses)))

@@ -3,15 +3,13 @@ training with the sequence split over ulysses or ring ranks trains like one GPU.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the rank spawner of the dist tier
-from ranks import run_ranks  # noqa: E402
-from test_usp_training import DATA, prepare_store, train  # noqa: E402
+from helpers.ranks import run_ranks
+from helpers.runs import SP_DATA, prepare_store, tiny_run_overrides, train_on_rank
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,13 +19,16 @@ pytestmark = [
 
 @pytest.mark.parametrize("split", ["parallel.sp_ulysses=2", "parallel.sp_ring=2"])
 def test_sequence_parallel_on_two_gpus(tmp_path: Path, split: str) -> None:
-    store = prepare_store(tmp_path)
-    common = [*DATA, f"data.features={store}", "trainer.max_num_steps=3",
-              "trainer.progress_bar=false", "draft.ttt_length=3", "parallel.device=cuda",
-              "parallel.mixed_precision=false", "tracker=console", f"output_root={tmp_path}"]  # fmt: skip
-    one = train(0, [*common, "draft.attention=eager", f"output_dir={tmp_path / 'one'}"])
+    store = prepare_store(tmp_path, *SP_DATA)
+    common = [*SP_DATA, f"data.features={store}", "trainer.max_num_steps=3", "draft.ttt_length=3",
+              "parallel.device=cuda", "parallel.mixed_precision=false"]  # fmt: skip
+    one = train_on_rank(
+        0, tiny_run_overrides(tmp_path, *common, "draft.attention=eager", name="one")
+    )
     ranks = run_ranks(
-        train, 2, [*common, "draft.attention=usp", split, f"output_dir={tmp_path / 'sp'}"]
+        train_on_rank,
+        2,
+        tiny_run_overrides(tmp_path, *common, "draft.attention=usp", split, name="sp"),
     )
     torch.testing.assert_close(
         torch.tensor(ranks[0][0]), torch.tensor(one[0]), rtol=2e-2, atol=1e-2

@@ -1,3 +1,15 @@
-"""Helpers the test tiers share (``pythonpath = ["tests"]`` in pyproject puts them on the path):
-``helpers.ranks`` spawns gloo ranks, ``helpers.drafts`` builds tiny drafts and batches,
-``helpers.processes`` makes processes to kill."""
+"""Helpers the test tiers share, imported as ``from helpers.<module> import ...``
+(``pythonpath = ["tests"]`` in pyproject puts them on the path):
+
+- ``helpers.runs``: the Hydra overrides of a tiny training run (``tiny_run_overrides``, extras
+  replace defaults by key), the FSDP and sequence-parallel variants, ``train_on_rank``,
+  ``prepare_store`` and the checkpoint-weight comparisons.
+- ``helpers.vlm``: the tiny Qwen2.5-VL's data file with generated images and its run overrides.
+- ``helpers.ranks``: ``run_ranks`` spawns N gloo ranks with torchrun's environment;
+  ``free_port``.
+- ``helpers.drafts``: a tiny hand-sized draft with random batches, and a random draft for a
+  real target.
+- ``helpers.targets``: a small-vocabulary random Llama target.
+- ``helpers.masks``: the supervised spans and runs the loss-mask tests compare.
+- ``helpers.processes``: a pid that has exited, and the processes below a pid.
+"""

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,9 +12,7 @@ from eagleforge.draft.ttt import (
     step_weights,
     ttt_forward,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from tiny_drafts import random_batch, tiny_draft  # noqa: E402
+from helpers.drafts import random_batch, tiny_draft
 
 pytestmark = pytest.mark.integration
 

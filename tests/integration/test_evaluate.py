@@ -12,30 +12,21 @@ import pytest
 import torch
 
 from eagleforge.config import compose_config
-from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
-from eagleforge.speculative.decode import DecodeSettings, SpeculativeDecoder
+from eagleforge.speculative.config import DecodeSettings
+from eagleforge.speculative.decoder import SpeculativeDecoder
 from eagleforge.speculative.prompts import load_prompts
-from eagleforge.targets import TargetConfig
+from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.hf import HFTarget
+from helpers.drafts import random_draft
+from helpers.runs import tiny_run_overrides
+from helpers.targets import small_vocab_target
 
 pytestmark = pytest.mark.integration
 
 
-def random_draft(target: HFTarget, draft_vocab: int, std: float, seed: int) -> Eagle3Draft:
-    """An untrained draft over the first ``draft_vocab`` target ids."""
-    arch = DraftArchitecture.from_target(
-        target.config, DraftConfig(draft_vocab_size=draft_vocab), target.aux_layer_ids
-    )
-    draft = Eagle3Draft(arch)
-    draft.init_weights(std, torch.Generator().manual_seed(seed))
-    draft.load_embedding(target.input_embedding().detach())
-    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
-    t2d[:draft_vocab] = True
-    draft.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
-    return draft.eval()
-
-
-@pytest.mark.parametrize(("topk", "total"), [(1, 4), (3, 8)])
+# The tree on SmolLM2 is slow only: the tree stays lossless in the default run on the tiny VLM
+# (test_evaluate_vlm.py) and sampled here on the small-vocabulary target.
+@pytest.mark.parametrize(("topk", "total"), [(1, 4), pytest.param(3, 8, marks=pytest.mark.slow)])
 def test_greedy_output_equals_the_targets_on_smollm2(
     smollm2_dir: Path, smollm2_tokenizer, topk: int, total: int
 ) -> None:  # type: ignore[no-untyped-def]
@@ -63,18 +54,6 @@ def test_greedy_output_equals_the_targets_on_smollm2(
         assert speculative.draft_steps == 4 * len(speculative.accepted_lengths)
 
 
-def small_vocab_target(vocab: int = 8) -> HFTarget:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        initializer_range=0.4, tie_word_embeddings=False,
-    )  # fmt: skip
-    return HFTarget(LlamaForCausalLM(config).float())
-
-
 def exact_marginals(target: HFTarget, prompt: list[int], temperature: float) -> list[torch.Tensor]:
     """P(t1), P(t2), P(t3) of the target's sampled continuation, by enumeration."""
     vocab = target.config.vocab_size
@@ -95,7 +74,9 @@ def exact_marginals(target: HFTarget, prompt: list[int], temperature: float) -> 
     return [p1, joint12.sum(0), joint123.sum(0)]
 
 
-@pytest.mark.parametrize(("topk", "total"), [(1, 2), (2, 4)])
+# The chain is slow only: its acceptance rule keeps the target's distribution in
+# tests/unit/test_speculative_sampling.py, and the tree here samples through the whole decoder.
+@pytest.mark.parametrize(("topk", "total"), [pytest.param(1, 2, marks=pytest.mark.slow), (2, 4)])
 def test_sampled_output_follows_the_targets_distribution(topk: int, total: int) -> None:
     """Chain (sampled drafts) and tree (top-k drafts) at temperature 0.8 with a draft that
     disagrees with the target: each generated position's marginal matches the target's
@@ -132,22 +113,16 @@ def test_evaluate_entry_point_writes_and_logs(
 
     train(
         compose_config(
-            [
+            tiny_run_overrides(
+                tmp_path,
                 "+model=smollm2",
-                "data=chitchat",
-                "data.max_num_samples=80",
                 "data.num_eval_samples=4",
-                "data.max_length=96",
                 "data.max_tokens_per_batch=384",
-                "trainer.max_num_steps=4",
                 "trainer.save_every_n_steps=2",
                 "trainer.eval_every_n_steps=0",
-                "trainer.progress_bar=false",
                 "optimizer.lr=2e-3",
-                "tracker=console",
-                f"output_root={tmp_path}",
-                f"output_dir={tmp_path / 'train'}",
-            ]  # fmt: skip
+                name="train",
+            )
         )
     )
     summaries = evaluate(
@@ -191,27 +166,23 @@ def test_evaluate_entry_point_writes_and_logs(
 
 
 def test_training_measures_real_tau_and_keeps_the_best_checkpoint(tmp_path: Path) -> None:
-    from eagleforge.formats import load_sglang
+    from eagleforge.formats.read import load_sglang
     from eagleforge.train import run as train
 
     result = train(
         compose_config(
-            [
+            tiny_run_overrides(
+                tmp_path,
                 "+model=smollm2",
-                "data=chitchat",
                 "data.max_num_samples=60",
                 "data.num_eval_samples=4",
-                "data.max_length=96",
                 "data.max_tokens_per_batch=384",
                 "trainer.max_num_steps=3",
                 "trainer.eval_tau_every_n_steps=2",
                 "trainer.eval_tau_prompts=1",
                 "eval.max_new_tokens=8",
-                "trainer.progress_bar=false",
-                "tracker=console",
-                f"output_root={tmp_path}",
-                f"output_dir={tmp_path / 'train'}",
-            ]  # fmt: skip
+                name="train",
+            )
         )
     )
     assert sorted(result.tau_by_step) == [2, 3]  # every 2 steps and at the end

@@ -12,16 +12,19 @@ from typing import Any
 
 import pytest
 import torch
-from test_evaluate import random_draft, small_vocab_target  # tests/integration is on sys.path
-from test_vlm_train import write_data
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.draft.model import Eagle3Draft
-from eagleforge.speculative.decode import DecodeSettings, SpeculativeDecoder, eos_ids
+from eagleforge.speculative.config import DecodeSettings
+from eagleforge.speculative.decoder import SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import PromptRenderer, load_prompts
 from eagleforge.speculative.report import TurnRecord, summarise
 from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.registry import build_hf_target
 from eagleforge.targets.source import load_processor, load_tokenizer, resolve_model_dir
+from helpers.drafts import random_draft
+from helpers.targets import small_vocab_target
+from helpers.vlm import tiny_vl_run_overrides, write_data
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +41,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         compose_config(["+model=tiny_vl", f"output_root={root}", f"output_dir={root / 'out'}"])
     )
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
-    target = HFTarget.from_config(config.model, config.target, model_dir, torch.device("cpu"))
+    target = build_hf_target(config.model, config.target, model_dir, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for weight in target.model.parameters():
@@ -192,22 +195,17 @@ def test_evaluate_entry_point_on_a_vision_language_target(tmp_path: Path) -> Non
     ]
 
     def train_draft(data_path: Path, steps: int, name: str) -> Path:
-        train(
-            compose_config(
-                [
-                    *common,
-                    f"data.path={data_path}",
-                    "data.num_eval_samples=0",
-                    "trainer.batch_size=2",
-                    f"trainer.max_num_steps={steps}",
-                    "trainer.eval_every_n_steps=0",
-                    "trainer.progress_bar=false",
-                    "draft.ttt_length=3",
-                    "optimizer.lr=1e-2",
-                    f"output_dir={tmp_path / name}",
-                ]
-            )
+        overrides = tiny_vl_run_overrides(
+            data_path,
+            tmp_path,
+            "data.num_eval_samples=0",
+            f"trainer.max_num_steps={steps}",
+            "trainer.eval_every_n_steps=0",
+            "draft.ttt_length=3",
+            "optimizer.lr=1e-2",
+            name=name,
         )
+        train(compose_config(overrides))
         return tmp_path / name / "checkpoints" / f"step_{steps:08d}"
 
     def evaluate_draft(draft: Path, name: str, *overrides: str) -> Any:

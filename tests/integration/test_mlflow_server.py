@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the shared test helpers
-from ranks import free_port  # noqa: E402
-
 from eagleforge.config import compose_config
 from eagleforge.tracking import TrackerConfig, build_tracker
 from eagleforge.train import run
+from helpers.ranks import free_port
+from helpers.runs import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -110,24 +109,18 @@ def test_a_run_logs_to_a_shared_server(
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+", uri)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     output_root = tmp_path / "out"
-    result = run(
-        compose_config(
-            [
-                "+model=tiny",
-                "data=chitchat",
-                "data.max_num_samples=40",
-                "data.num_eval_samples=4",
-                "data.max_length=64",
-                "draft.ttt_length=2",
-                "trainer.max_num_steps=3",
-                "trainer.log_every_n_steps=1",
-                "trainer.progress_bar=false",
-                "tracker.experiment=shared",
-                f"output_root={output_root}",
-                f"output_dir={output_root / 'run'}",
-            ]
-        )
+    overrides = tiny_run_overrides(
+        output_root,
+        "data.max_num_samples=40",
+        "data.num_eval_samples=4",
+        "data.max_length=64",
+        "draft.ttt_length=2",
+        "trainer.max_num_steps=3",
+        "trainer.log_every_n_steps=1",
+        "tracker=mlflow",
+        "tracker.experiment=shared",
     )
+    result = run(compose_config(overrides))
     assert result.step == 3
 
     import mlflow

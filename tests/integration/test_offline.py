@@ -19,6 +19,7 @@ from eagleforge.errors import DataError
 from eagleforge.prepare import run as prepare
 from eagleforge.train import run as train
 from helpers.processes import dead_pid
+from helpers.runs import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -33,9 +34,8 @@ def _prepare(tmp_path: Path, store: Path, *extra: str) -> Path:
 
 
 def _train(tmp_path: Path, name: str, *extra: str):  # type: ignore[no-untyped-def]
-    overrides = ["+model=tiny", *DATA, "trainer.max_num_steps=3", "trainer.progress_bar=false",
-                 "tracker=console", "data.max_tokens_per_batch=256",
-                 f"output_root={tmp_path}", f"output_dir={tmp_path / name}", *extra]  # fmt: skip
+    overrides = tiny_run_overrides(tmp_path, *DATA, "trainer.max_num_steps=3",
+                                   "data.max_tokens_per_batch=256", *extra, name=name)  # fmt: skip
     return train(compose_config(overrides))
 
 
@@ -201,9 +201,8 @@ def test_offline_equals_online_on_smollm2(tmp_path: Path) -> None:
     )
     runs = []
     for name, extra in (("online", []), ("offline", [f"data.features={store}"])):
-        overrides = [*data, "trainer.max_num_steps=2", "trainer.progress_bar=false",
-                     "tracker=console", "data.max_tokens_per_batch=320", f"output_root={tmp_path}",
-                     f"output_dir={tmp_path / name}", *extra]  # fmt: skip
+        overrides = tiny_run_overrides(tmp_path, *data, "trainer.max_num_steps=2",
+                                       "data.max_tokens_per_batch=320", *extra, name=name)  # fmt: skip
         runs.append(train(compose_config(overrides)))
     online, offline = runs
     torch.testing.assert_close(

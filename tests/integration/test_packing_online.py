@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from eagleforge.config import compose_config, to_typed
-from eagleforge.data.dataset import TokenizedDataset, make_loader, pack_indices
+from eagleforge.data.loader import make_loader, pack_indices
+from eagleforge.data.preprocess import TokenizedDataset
 from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig, Eagle3Draft
 from eagleforge.draft.ttt import count_positions, ttt_forward
-from eagleforge.targets import TargetConfig
+from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.source import resolve_model_dir
 from eagleforge.targets.teacher import teacher_batch
 from eagleforge.train import run
+from helpers.runs import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -68,11 +70,9 @@ def test_packed_and_padded_batches_give_the_same_loss(cache_dir: Path) -> None:
 
 
 def test_packed_training_run(tmp_path: Path) -> None:
-    result = run(compose_config([
-        "+model=tiny", "data=chitchat", "data.max_num_samples=80", "data.num_eval_samples=6",
-        "data.max_length=96", "data.packing=true", "data.max_tokens_per_batch=256",
-        "trainer.max_num_steps=3", "trainer.progress_bar=false", "draft.ttt_length=3",
-        "tracker=console", f"output_root={tmp_path}", f"output_dir={tmp_path / 'run'}",
-    ]))  # fmt: skip
+    result = run(compose_config(tiny_run_overrides(
+        tmp_path, "data.packing=true", "data.max_tokens_per_batch=256", "trainer.max_num_steps=3",
+        "draft.ttt_length=3",
+    )))  # fmt: skip
     assert result.step == 3 and all(torch.isfinite(torch.tensor(result.train_losses)))
     assert result.final_eval["eval/num_counted_0"] > 0

@@ -10,6 +10,7 @@ import pytest
 
 from eagleforge.config import compose_config
 from eagleforge.train import run
+from helpers.runs import tiny_run_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -17,13 +18,11 @@ pytestmark = pytest.mark.integration
 def test_profiled_steps_give_a_trace_and_a_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run(compose_config([
-        "+model=tiny", "data=chitchat", "data.max_num_samples=30", "data.num_eval_samples=0",
-        "data.max_length=64", "trainer.max_num_steps=4", "trainer.progress_bar=false",
+    run(compose_config(tiny_run_overrides(
+        tmp_path, "data.max_num_samples=30", "data.num_eval_samples=0", "data.max_length=64",
         "draft.ttt_length=2", "profile.enabled=true", "profile.start_step=2",
         "profile.num_steps=2", "profile.record_shapes=true", "tracker=mlflow",
-        f"output_root={tmp_path}", f"output_dir={tmp_path / 'run'}",
-    ]))  # fmt: skip
+    )))  # fmt: skip
     trace = tmp_path / "run" / "profile" / "trace_rank0.json"
     events = json.loads(trace.read_text())["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}

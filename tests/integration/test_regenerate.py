@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the shared test helpers
-from ranks import free_port  # noqa: E402
-
 from eagleforge.config import compose_config, to_typed
-from eagleforge.data.dataset import build_datasets
-from eagleforge.data.regenerate import run
+from eagleforge.data.split import build_datasets
 from eagleforge.errors import ConfigError
+from eagleforge.regenerate import run
+from helpers.ranks import free_port
 
 pytestmark = pytest.mark.integration
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "sharegpt_small.jsonl"
@@ -174,7 +172,7 @@ def test_magpie_target_writes_and_answers_its_own_prompts(tmp_path: Path) -> Non
 def test_magpie_resume_reuses_the_written_prompts(tmp_path: Path) -> None:
     """A job killed after writing its prompts answers those prompts, and never writes others;
     a resume asking for another number of prompts is refused."""
-    from eagleforge.data.regenerate import Reply
+    from eagleforge.regeneration.rows import Reply
 
     output = tmp_path / "regen.jsonl"
     chunks = tmp_path / "regen.jsonl.chunks"

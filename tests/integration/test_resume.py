@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from eagleforge.atomic import this_host
 from eagleforge.checkpoint import TRAINING_STATE, read_progress
@@ -22,22 +21,17 @@ from eagleforge.files import CHECKSUMS
 from eagleforge.train import run
 from eagleforge.trainer import Trainer
 from helpers.processes import dead_pid
+from helpers.runs import tiny_run_overrides, weights
 
 pytestmark = pytest.mark.integration
 
 
 def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "+model=tiny", "data=chitchat", "data.max_num_samples=80", "data.num_eval_samples=6",
-        "data.max_length=96", "data.max_tokens_per_batch=192", "trainer.max_num_steps=6",
-        "trainer.grad_accum_steps=2", "trainer.save_every_n_steps=2",
-        "trainer.progress_bar=false", "optimizer.lr=1e-3", "draft.ttt_length=3",
-        "tracker=console", f"output_root={tmp_path}", f"output_dir={tmp_path / name}", *extra,
-    ]  # fmt: skip
-
-
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(checkpoint / "model.safetensors"))
+    return tiny_run_overrides(
+        tmp_path, "data.max_tokens_per_batch=192", "trainer.max_num_steps=6",
+        "trainer.grad_accum_steps=2", "trainer.save_every_n_steps=2", "optimizer.lr=1e-3",
+        "draft.ttt_length=3", *extra, name=name,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("packing", ["true", "false"])
@@ -85,7 +79,11 @@ def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
         run(compose_config(overrides(tmp_path, "x", f"trainer.resume={tmp_path}")))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+# SIGUSR1 is slow only: tests/dist/test_sbatch.py stops a job with it (exit 138, requeue) and
+# tests/unit/test_launch.py records every stop signal alike.
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)]
+)
 def test_preemption_signal_finishes_the_step_saves_and_exits_for_requeue(
     tmp_path: Path, signum: int
 ) -> None:
@@ -167,7 +165,8 @@ def test_a_failed_save_stops_with_a_clear_error_and_loses_nothing(
     assert resumed.step == 6 and len(resumed.train_losses) == 4
 
 
-@pytest.mark.parametrize("kill_after", [2, 5])
+# A kill after step 5 is slow only: after step 2 the same save, cleanup and resume run.
+@pytest.mark.parametrize("kill_after", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_sigkill_at_any_point_then_resume_is_bit_identical(tmp_path: Path, kill_after: int) -> None:
     """A real SIGKILL (no handler runs) once step ``kill_after``'s checkpoint exists -- often
     in the middle of the next save -- then the same command: the run ends exactly as one

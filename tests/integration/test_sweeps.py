@@ -115,6 +115,11 @@ def _submitit_tasks(root: int) -> list[int]:
     return tasks
 
 
+# Slow (two jobs train side by side): its parts run by default elsewhere -- the SIGUSR2 handler
+# chained to submitit's requeue (tests/unit/test_launch.py), the KILLED run with its signal
+# (tests/unit/test_tracking_runs.py), save-exit-resume on a signal (test_resume.py), submitit
+# tasks that train (tests/dist/test_submitit_world.py) and a sweep's MLflow runs (above).
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the job processes in /proc")
 def test_submitit_local_sweep_saves_requeues_and_resumes_on_sigusr2(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vlm_train import tiny_vl, write_data  # tests/integration is on sys.path
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.data.features import FeatureDataset
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.prepare import run as prepare
 from eagleforge.train import run as train
+from helpers.vlm import tiny_vl, tiny_vl_run_overrides, write_data
 
 pytestmark = pytest.mark.integration
 
@@ -25,11 +25,7 @@ def _common(data: Path) -> list[str]:
 
 
 def _train(data: Path, tmp_path: Path, name: str, *extra: str):  # type: ignore[no-untyped-def]
-    overrides = [
-        *_common(data), "trainer.batch_size=2", "trainer.max_num_steps=2",
-        "trainer.progress_bar=false", "draft.ttt_length=2", "optimizer.lr=1e-3",
-        "tracker=console", f"output_root={tmp_path}", f"output_dir={tmp_path / name}", *extra,
-    ]  # fmt: skip
+    overrides = tiny_vl_run_overrides(data, tmp_path, "optimizer.lr=1e-3", *extra, name=name)
     return train(compose_config(overrides))
 
 

@@ -9,71 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from eagleforge.config import compose_config
 from eagleforge.draft.model import Eagle3Draft
+from eagleforge.speculative.decoder import DecodeResult, SpeculativeDecoder
 from eagleforge.train import run
+from helpers.vlm import tiny_vl_run_overrides, write_data
 
 pytestmark = pytest.mark.integration
-
-
-def write_data(directory: Path) -> Path:
-    """Three images of different shapes and four short conversations (one without image)."""
-    (directory / "img").mkdir(parents=True)
-    for i, size in enumerate([(96, 48), (40, 80), (56, 56)]):
-        Image.new("RGB", size, (60 * i, 120, 200)).save(directory / "img" / f"{i}.png")
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": "What colour is this?", "images": ["img/0.png"]},
-                {"role": "assistant", "content": "Mostly blue, a little green."},
-            ]
-        },
-        {
-            "conversations": [
-                {"from": "human", "value": "Compare these two pictures."},
-                {"from": "gpt", "value": "The first is tall and the second is square."},
-            ],
-            "images": ["img/1.png", "img/2.png"],
-        },
-        {
-            "messages": [
-                {"role": "user", "content": "Say something nice."},
-                {"role": "assistant", "content": "You are doing great work today."},
-            ]
-        },
-        {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image", "image": "img/2.png"},
-                        {"type": "text", "text": "Describe it."},
-                    ],
-                },
-                {"role": "assistant", "content": "A small square picture."},
-            ]
-        },
-    ]
-    path = directory / "vlm.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def tiny_vl(data: Path, *extra: str) -> list[str]:
-    """Overrides for the tiny random Qwen2.5-VL on ``data``, with small images (4 to 16
-    image tokens each); shared by the VLM tests of every tier."""
-    return ["+model=tiny_vl", "data=vlm", f"data.path={data}", "data.min_pixels=3136",
-            "data.max_pixels=12544", *extra]  # fmt: skip
-
-
-def _train(data: Path, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
-    return run(compose_config(tiny_vl(
-        data, "data.num_eval_samples=1", "trainer.batch_size=2", "trainer.progress_bar=false",
-        "draft.ttt_length=2", "tracker=console", f"output_root={tmp_path}",
-        f"output_dir={tmp_path / 'run'}", *extra,
-    )))  # fmt: skip
 
 
 def test_tiny_qwen2_5_vl_trains_with_mrope_positions(
@@ -88,13 +31,14 @@ def test_tiny_qwen2_5_vl_trains_with_mrope_positions(
         return rope(self, positions, dtype)
 
     monkeypatch.setattr(Eagle3Draft, "rope", spy)
-    result = _train(
+    overrides = tiny_vl_run_overrides(
         data,
         tmp_path,
         "trainer.max_num_steps=3",
         "trainer.eval_every_n_steps=3",
         "optimizer.lr=1e-3",
     )
+    result = run(compose_config(overrides))
     assert result.step == 3 and all(torch.isfinite(torch.tensor(result.train_losses)))
     assert "eval/acc_0" in result.final_eval
     # The draft rotated by the target's 3-D positions: somewhere an image makes the
@@ -106,17 +50,31 @@ def test_tiny_qwen2_5_vl_trains_with_mrope_positions(
     assert config["rope_scaling"]["mrope_section"] == [2, 3, 3]
 
 
-def test_tiny_qwen2_5_vl_measures_real_tau_while_training(tmp_path: Path) -> None:
+def test_tiny_qwen2_5_vl_measures_real_tau_while_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """trainer.eval_tau_every_n_steps with a vision-language target: the probe decodes prompts
     with their images (the data file's user turns) at the target's M-RoPE positions."""
     data = write_data(tmp_path / "data")
-    result = _train(
-        data,
-        tmp_path,
-        "trainer.max_num_steps=2",
-        "trainer.eval_tau_every_n_steps=2",
-        "trainer.eval_tau_prompts=2",
-        f"eval.prompts={data}",
-        "eval.max_new_tokens=8",
-    )
-    assert set(result.tau_by_step) == {2} and result.tau_by_step[2] >= 1.0
+    decoded: list[tuple[object, DecodeResult]] = []  # (images, result) of each probe decoding
+    generate = SpeculativeDecoder.generate
+
+    def spy(self: SpeculativeDecoder, prompt_ids: list[int], generator, images=None):  # type: ignore[no-untyped-def]
+        result = generate(self, prompt_ids, generator, images)
+        decoded.append((images, result))
+        return result
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    overrides = tiny_vl_run_overrides(
+        data, tmp_path, "trainer.max_num_steps=2", "trainer.eval_tau_every_n_steps=2",
+        "trainer.eval_tau_prompts=2", f"eval.prompts={data}", "eval.max_new_tokens=8",
+    )  # fmt: skip
+    config = compose_config(overrides)
+    result = run(config)
+    # the first two prompts of the data file, both with images, decoded once at step 2; τ is
+    # what those decodings accepted (1 + accepted drafts per round)
+    assert len(decoded) == 2 and all(images is not None for images, _ in decoded)
+    accepted = [a for _, decoding in decoded for a in decoding.accepted_lengths]
+    assert accepted and all(0 <= a <= config.eval.num_draft_tokens for a in accepted)
+    assert result.tau_by_step == {2: pytest.approx(1 + sum(accepted) / len(accepted))}
+    assert result.best_checkpoint is not None and result.best_checkpoint.name == "best"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from eagleforge.config import compose_config, to_typed
-from eagleforge.data.regenerate import run as regenerate
 from eagleforge.evaluate import run as evaluate
 from eagleforge.prepare import run as prepare
+from eagleforge.regenerate import run as regenerate
 from eagleforge.train import run as train
 
 pytestmark = [pytest.mark.slow, pytest.mark.quality]

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_drafts import tiny_draft
 
+from eagleforge.builder import resume_from
 from eagleforge.checkpoint import newest_checkpoint, save_checkpoint
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS
-from eagleforge.formats import check_draft, load_checked_draft
+from eagleforge.formats.check import check_draft, load_checked_draft
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
-from eagleforge.train import resume_from
+from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit
 

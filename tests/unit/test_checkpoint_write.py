@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_drafts import tiny_draft
 
 import eagleforge.checkpoint as checkpoint_module
 from eagleforge.checkpoint import save_checkpoint
@@ -16,6 +15,7 @@ from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
+from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit
 

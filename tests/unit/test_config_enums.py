@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import eagleforge
 from eagleforge.config import compose_config, to_typed
-from eagleforge.data.dataset import OnError
+from eagleforge.data.config import OnError
 
 pytestmark = pytest.mark.unit
 

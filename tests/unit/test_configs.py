@@ -8,7 +8,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
-from eagleforge.data.dataset import build_datasets
+from eagleforge.data.split import build_datasets
 from eagleforge.errors import ConfigError
 from eagleforge.targets.source import checked_aux_layer_ids, default_aux_layer_ids
 

@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 
 from eagleforge.config import compose_config, group_choices, to_typed
+from eagleforge.data.config import DataConfig
 from eagleforge.data.conversations import DataFormat, RowError, normalise_row
 from eagleforge.data.corpora import CORPORA, MixSource, content_key, quotas
-from eagleforge.data.dataset import DataConfig, build_datasets, training_source
-from eagleforge.data.regenerate import read_input
+from eagleforge.data.sources import training_source
+from eagleforge.data.split import build_datasets
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.preflight import check_inputs
+from eagleforge.regeneration.rows import read_input
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.errors import ConfigError
-from eagleforge.targets import TargetBackendKind, TargetConfig
+from eagleforge.targets.config import TargetBackendKind, TargetConfig
 from eagleforge.targets.custom import CustomTarget
 from eagleforge.targets.hf import HFTarget
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagleforge.data.dataset import TokenizedDataset, make_loader, shard_batches
+from eagleforge.data.loader import make_loader, shard_batches
+from eagleforge.data.preprocess import TokenizedDataset
 
 
 @pytest.mark.parametrize(("num_batches", "num_shards"), [(7, 2), (8, 2), (1, 2), (5, 4), (3, 1)])

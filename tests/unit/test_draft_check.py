@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_drafts import tiny_draft
 
-from eagleforge.formats import check_draft, export_sglang
+from eagleforge.formats.check import check_draft
+from eagleforge.formats.write import export_sglang
+from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_drafts import tiny_draft
 
 from eagleforge.batch import shift_left
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import draft_step
-from eagleforge.speculative.decode import DraftRunner
+from eagleforge.speculative.runners import DraftRunner
+from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
 from eagleforge.errors import ConfigError
-from eagleforge.formats import export_sglang, load_sglang
+from eagleforge.formats.read import load_sglang
+from eagleforge.formats.write import export_sglang
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,8 @@ from eagleforge.errors import ConfigError
 from eagleforge.evaluate import evaluate_sets, report_sets
 from eagleforge.preflight import check_inputs
 from eagleforge.speculative import prompts as prompts_module
-from eagleforge.speculative.decode import DecodeResult, DecodeSettings
+from eagleforge.speculative.config import DecodeSettings
+from eagleforge.speculative.decoder import DecodeResult
 from eagleforge.speculative.prompts import load_prompt_sets
 from eagleforge.speculative.report import Summary
 

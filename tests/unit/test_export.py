@@ -11,18 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_drafts import tiny_draft
 
 from eagleforge.errors import ConfigError
 from eagleforge.export import check_main, export
-from eagleforge.formats import (
-    DraftFormat,
-    ExportConfig,
-    ExportDType,
-    check_draft,
-    export_sglang,
-    read_draft,
-)
+from eagleforge.formats.check import check_draft
+from eagleforge.formats.config import ExportConfig, ExportDType
+from eagleforge.formats.kinds import DraftFormat
+from eagleforge.formats.read import read_draft
+from eagleforge.formats.write import export_sglang
+from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit
 FORMATS = list(DraftFormat)

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleforge.data.dataset import TokenizedDataset
 from eagleforge.data.features import (
     FeatureDataset,
     Manifest,
@@ -16,9 +15,10 @@ from eagleforge.data.features import (
     quantize_fp8,
     weight_hash,
 )
+from eagleforge.data.preprocess import TokenizedDataset
 from eagleforge.errors import DataError
 from eagleforge.prepare import capture_split
-from eagleforge.targets import TargetOutput
+from eagleforge.targets.base import TargetOutput
 
 pytestmark = pytest.mark.unit
 

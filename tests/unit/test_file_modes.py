@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_drafts import tiny_arch, tiny_draft
 
 from eagleforge.checkpoint import save_checkpoint
 from eagleforge.data.features import write_shard
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
-from eagleforge.export import ExportConfig, export
-from eagleforge.formats import DraftFormat
+from eagleforge.export import export
+from eagleforge.formats.config import ExportConfig
+from eagleforge.formats.kinds import DraftFormat
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
+from helpers.drafts import tiny_arch, tiny_draft
 
 pytestmark = pytest.mark.unit
 

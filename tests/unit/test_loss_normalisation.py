@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_drafts import tiny_draft
 
 from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.draft.model import Eagle3Draft
@@ -17,6 +16,7 @@ from eagleforge.draft.ttt import (
     step_weights,
     ttt_forward,
 )
+from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit
 

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_drafts import random_batch, tiny_arch, tiny_draft
 
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import ttt_forward
+from helpers.drafts import random_batch, tiny_arch, tiny_draft
 
 pytestmark = pytest.mark.unit
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mask_helpers import decode, supervised_runs, supervised_text
 
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.template import PreformattedText, tokenize_rendered
 from eagleforge.errors import ConfigError, DataError
+from helpers.masks import decode, supervised_runs, supervised_text
 
 pytestmark = pytest.mark.unit
 

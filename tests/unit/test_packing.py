@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_drafts import tiny_draft
 
 from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.draft.attention import ttt_attention_mask
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
+from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit
 STEPS = 3

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagleforge import train
+from eagleforge import builder, train
 from eagleforge.config import compose_config, to_typed
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.preflight import check_inputs
@@ -82,7 +82,7 @@ def test_train_checks_data_before_loading_the_model(
     def heavy(*_: object, **__: object) -> None:
         raise AssertionError("the model was loaded before the inputs were checked")
 
-    monkeypatch.setattr(train, "resolve_model_dir", heavy)
+    monkeypatch.setattr(builder, "resolve_model_dir", heavy)
     monkeypatch.setattr(train, "distributed", heavy)
     cfg = compose_config(
         [

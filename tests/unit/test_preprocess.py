@@ -1,4 +1,4 @@
-"""Preprocessing (dataset.py): reading every kind of source into the same tokenized rows, bad rows
+"""Preprocessing (data/preprocess.py): reading every kind of source into the same tokenized rows, bad rows
 raised or skipped and counted by reason, preformatted rows, the content-keyed cache, several
 processes, and the cached vocab map. Small files in tmp_path, the real SmolLM2 tokenizer, and a
 fresh cache directory per test."""
@@ -12,14 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import eagleforge.data.dataset as dataset_module
+import eagleforge.data.preprocess as preprocess_module
+from eagleforge.data.config import DataConfig, OnError
 from eagleforge.data.conversations import DataFormat, SkipReason, normalise_row
-from eagleforge.data.dataset import (
-    DataConfig,
-    OnError,
-    build_datasets,
-    preprocess_source,
-)
+from eagleforge.data.preprocess import preprocess_source
+from eagleforge.data.split import build_datasets
 from eagleforge.data.template import TokenizerTemplate, tokenize_rendered
 from eagleforge.data.vocab import build_vocab_map, cached_vocab_map, count_supervised_tokens
 from eagleforge.errors import ConfigError, DataError
@@ -126,7 +123,7 @@ def _pairs(dataset) -> list[tuple[list[int], list[int]]]:  # type: ignore[no-unt
 
 
 def _reference(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
-    """The expected samples, computed without dataset.py."""
+    """The expected samples, computed without data/preprocess.py."""
     template = TokenizerTemplate(tokenizer)
     rendered = [template.render(normalise_row(row, DataFormat.auto, "ref"), "ref") for row in rows]
     return tokenize_rendered(rendered, tokenizer)
@@ -428,18 +425,18 @@ def _forbid_preprocessing(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("preprocess_rows called: the cache was not used")
 
-    monkeypatch.setattr(dataset_module, "preprocess_rows", fail)
+    monkeypatch.setattr(preprocess_module, "preprocess_rows", fail)
 
 
 def _count_preprocessing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = dataset_module.preprocess_rows
+    real = preprocess_module.preprocess_rows
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dataset_module, "preprocess_rows", counting)
+    monkeypatch.setattr(preprocess_module, "preprocess_rows", counting)
     return calls
 
 
@@ -473,13 +470,13 @@ def test_a_lookup_removes_the_temporary_of_a_killed_write(
     here) removes it, since its writer no longer runs."""
     cfg = _config(_write_jsonl(tmp_path / "rows.jsonl", GOOD_ROWS))
     _, _, entry = _run(cfg, smollm2_tokenizer, cache)
-    real_save = dataset_module._save
+    real_save = preprocess_module._save
 
     def killed(dataset, report, out: Path) -> None:  # type: ignore[no-untyped-def]
         real_save(dataset, report, out)
         os._exit(9)  # before the rename
 
-    monkeypatch.setattr(dataset_module, "_save", killed)
+    monkeypatch.setattr(preprocess_module, "_save", killed)
     pid = os.fork()
     if pid == 0:  # the writer: another entry of the same cache (a longer max_length)
         try:
@@ -541,8 +538,8 @@ def test_leftover_tmp_dir_is_not_loaded(smollm2_tokenizer, tmp_path: Path, refer
     _, _, probe = _run(_config(path), smollm2_tokenizer, tmp_path / "probe")
     cache = tmp_path / "cache"
     leftover = _mkdir(cache / "data" / f".{probe.name}.abc123")
-    bogus = dataset_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]])
-    dataset_module._save(bogus, dataset_module.DataReport(rows=1, kept=1), leftover)
+    bogus = preprocess_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]])
+    preprocess_module._save(bogus, preprocess_module.DataReport(rows=1, kept=1), leftover)
     dataset, report, entry = _run(_config(path), smollm2_tokenizer, cache)
     assert entry.name == probe.name
     assert _pairs(dataset) == reference
@@ -561,8 +558,8 @@ def test_half_written_entry_is_not_loaded(smollm2_tokenizer, tmp_path: Path, ref
     _, _, probe = _run(_config(path), smollm2_tokenizer, tmp_path / "probe")
     cache = tmp_path / "cache"
     half = _mkdir(cache / "data" / probe.name)
-    bogus = dataset_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]])
-    dataset_module._save(bogus, dataset_module.DataReport(rows=1, kept=1), half)
+    bogus = preprocess_module.TokenizedDataset([[1, 2, 3]], [[0, 1, 1]])
+    preprocess_module._save(bogus, preprocess_module.DataReport(rows=1, kept=1), half)
     (half / "report.json").unlink()
     dataset, report, entry = _run(_config(path), smollm2_tokenizer, cache)
     assert entry == half
@@ -590,7 +587,7 @@ def test_num_proc_2_matches_num_proc_1(
     smollm2_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     """Two worker processes over many small chunks give the same samples, order and report."""
-    monkeypatch.setattr(dataset_module, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(preprocess_module, "CHUNK_ROWS", 2)
     lines = []
     for index in range(5):
         for row in GOOD_ROWS:
@@ -613,7 +610,7 @@ def test_num_proc_2_raises_on_bad_row(
     smollm2_tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     """With two processes, on_error=raise still names the bad row."""
-    monkeypatch.setattr(dataset_module, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(preprocess_module, "CHUNK_ROWS", 2)
     lines = [json.dumps(row).encode() for row in GOOD_ROWS * 2]
     lines.insert(4, BAD_LINES[SkipReason.unknown_role][0])
     path = tmp_path / "rows.jsonl"

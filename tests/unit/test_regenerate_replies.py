@@ -11,14 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from eagleforge.data.regenerate import (
-    HFBackend,
-    RegenerateConfig,
-    Row,
-    ServerBackend,
-    finish_reply,
-    regenerate_rows,
-)
+from eagleforge.regeneration.backends import HFBackend, ServerBackend, finish_reply
+from eagleforge.regeneration.config import RegenerateConfig
+from eagleforge.regeneration.rows import Row, regenerate_rows
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +60,7 @@ class ScriptedModel:
 def hf_backend(
     tokenizer: Any, cfg: RegenerateConfig, texts: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> HFBackend:
-    monkeypatch.setattr(tokenizer, "padding_side", "left")  # as from_config sets it
+    monkeypatch.setattr(tokenizer, "padding_side", "left")  # as regenerate.hf_backend sets it
     return HFBackend(cfg, ScriptedModel(tokenizer, texts), tokenizer, torch.device("cpu"), "m")
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from eagleforge.config import compose_config, to_typed
-from eagleforge.data.regenerate import Reply, RequestFailed, run
 from eagleforge.errors import ConfigError
+from eagleforge.regenerate import run
+from eagleforge.regeneration.rows import Reply, RequestFailed
 
 pytestmark = pytest.mark.unit
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "sharegpt_small.jsonl"

@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from eagleforge.data.regenerate import (
-    RegenerateConfig,
-    Reply,
-    RequestFailed,
-    Row,
-    regenerate_rows,
-    split_reasoning,
-)
 from eagleforge.errors import ConfigError
+from eagleforge.regeneration.backends import split_reasoning
+from eagleforge.regeneration.config import RegenerateConfig
+from eagleforge.regeneration.rows import Reply, RequestFailed, Row, regenerate_rows
 
 pytestmark = pytest.mark.unit
 

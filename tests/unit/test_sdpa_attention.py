@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_drafts import random_batch, tiny_draft
 
 from eagleforge.draft.attention import eager_ttt_attention, sdpa_ttt_attention
 from eagleforge.draft.model import AttentionBackend
@@ -14,6 +13,7 @@ from eagleforge.draft.ttt import (
     step_weights,
     ttt_forward,
 )
+from helpers.drafts import random_batch, tiny_draft
 
 pytestmark = pytest.mark.unit
 

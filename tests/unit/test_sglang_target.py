@@ -14,19 +14,22 @@ from transformers import LlamaConfig
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.errors import ConfigError
-from eagleforge.targets import SGLangConfig, TargetBackendKind, TargetConfig, build_target
-from eagleforge.targets.sglang import (
+from eagleforge.targets.config import SGLangConfig, TargetBackendKind, TargetConfig
+from eagleforge.targets.registry import build_target
+from eagleforge.targets.sglang import SGLangTarget
+from eagleforge.targets.sglang_launch import (
     INSTALL_HINT,
-    RowLayout,
     SGLangRanks,
-    SGLangTarget,
-    aux_in_our_order,
     nccl_environment,
     plan_ranks,
-    rows_to_sequences,
-    sequences_to_rows,
     server_args_fields,
     server_args_kwargs,
+)
+from eagleforge.targets.sglang_layout import (
+    RowLayout,
+    aux_in_our_order,
+    rows_to_sequences,
+    sequences_to_rows,
     sglang_aux_layer_ids,
     sglang_snapshot_layers,
     vocab_matrix_from_shards,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleforge.speculative.decode import accept_proposals, accept_sampled
+from eagleforge.speculative.sampling import accept_proposals, accept_sampled
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ everything else (system, user, role headers) is unsupervised."""
 from __future__ import annotations
 
 import pytest
-from mask_helpers import decode, supervised_runs
 
 from eagleforge.data.template import TokenizerTemplate, end_of_turn_marker, tokenize_rendered
+from helpers.masks import decode, supervised_runs
 
 pytestmark = pytest.mark.unit
 

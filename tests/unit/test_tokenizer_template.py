@@ -9,7 +9,6 @@ import copy
 from typing import Any
 
 import pytest
-from mask_helpers import supervised_text
 
 from eagleforge.data.named_templates import TEMPLATES
 from eagleforge.data.rendered import Rendered
@@ -21,6 +20,7 @@ from eagleforge.data.template import (
     tokenize_rendered,
 )
 from eagleforge.errors import ConfigError, DataError
+from helpers.masks import supervised_text
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,6 @@ HTTP server, as if the server had gone away after the run started (the integrati
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the shared test helpers
-from ranks import free_port  # noqa: E402
-
-from eagleforge.tracking import MLflowTracker, Spool, sync  # noqa: E402
+from eagleforge.tracking import MLflowTracker, Spool, sync
+from helpers.ranks import free_port
 
 pytestmark = pytest.mark.unit
 

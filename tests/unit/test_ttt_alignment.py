@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from tiny_drafts import (
-    tiny_draft,
-)
 
 from eagleforge.batch import Teacher, TTTBatch, shift_left
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import count_positions, counted_positions, draft_step, ttt_forward
+from helpers.drafts import (
+    tiny_draft,
+)
 
 pytestmark = pytest.mark.unit
 

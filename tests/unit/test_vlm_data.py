@@ -13,8 +13,10 @@ import torch
 from PIL import Image
 
 from eagleforge.config import compose_config, to_typed
+from eagleforge.data.collate import Collator
+from eagleforge.data.config import DataConfig
 from eagleforge.data.conversations import DataFormat, read_conversations
-from eagleforge.data.dataset import Collator, DataConfig, build_datasets
+from eagleforge.data.split import build_datasets
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.targets.source import (
     ModelConfig,

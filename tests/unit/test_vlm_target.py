@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from eagleforge.targets import TargetConfig
+from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.source import (
     ModelConfig,
@@ -77,9 +77,9 @@ def test_vlm_forward_captures_language_layers_and_returns_mrope(cache_dir: Path)
 def test_vlm_target_refuses_packed_rows_and_is_never_auto_packed(cache_dir: Path) -> None:
     """A text-only run on a VLM target (data.is_vlm=false) must not pack: the target's M-RoPE
     positions would run straight across the documents."""
+    from eagleforge.builder import resolve_packing
     from eagleforge.config import compose_config, to_typed
     from eagleforge.errors import ConfigError
-    from eagleforge.train import resolve_packing
 
     model_dir = random_qwen2_5_vl_dir(RandomModelConfig(), cache_dir)
     target = HFTarget.from_pretrained(model_dir, TargetConfig(), torch.float32, torch.device("cpu"))

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 
 from eagleforge.atomic import atomic_file
-from eagleforge.data.dataset import file_digest
+from eagleforge.data.sources import file_digest
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.files import save_safetensors
 
@@ -152,6 +152,29 @@ class Manifest:
                 f"{store} was captured for another setup ({'; '.join(diffs)}); capture it "
                 "again with eagleforge.prepare for this run, or point data.features elsewhere."
             )
+
+
+def expected_manifest(
+    model_name: str,
+    model_dir: Path,
+    text_config: Any,
+    aux_layer_ids: list[int],
+    template: str,
+    max_length: int,
+    mrope: bool,
+) -> dict[str, Any]:
+    """The manifest fields a store must have for a run on this target (its transformers text
+    config and aux layers) and data: target, weights, layers, template, length."""
+    return {
+        "target": model_name,
+        "weight_hash": weight_hash(model_dir),
+        "vocab_size": int(text_config.vocab_size),
+        "hidden_size": int(text_config.hidden_size),
+        "aux_layer_ids": list(aux_layer_ids),
+        "template": template,
+        "max_length": max_length,
+        "mrope": mrope,
+    }
 
 
 def weight_hash(model_dir: Path) -> str:
@@ -402,3 +425,17 @@ class FeatureDataset(torch.utils.data.Dataset):
             offsets = handle.get_tensor("offsets").tolist()
             for a, b in zip(offsets[:-1], offsets[1:], strict=True):
                 yield ids[a:b].tolist(), mask[a:b].tolist()
+
+
+def open_store(
+    store: Path, expected: dict[str, Any], verify_checksums: bool | None = None
+) -> tuple[FeatureDataset, FeatureDataset | None]:
+    """The train and eval splits of a feature store for a run, each checked against the
+    manifest fields the run expects (``expected_manifest``): a store of another target, data
+    or template is refused with what differs."""
+    train = FeatureDataset(store / "train", verify_checksums)
+    evaluation = FeatureDataset.eval_split(store, verify_checksums)
+    for split in (train, evaluation):
+        if split is not None:
+            split.manifest.check_matches(expected, split.store)
+    return train, evaluation

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from eagleforge.data.dataset import DataReport, TokenizedDataset
+from eagleforge.data.preprocess import DataReport, TokenizedDataset
 from eagleforge.errors import ConfigError
 
 ANSI_SUPERVISED, ANSI_RESET = "\x1b[30;42m", "\x1b[0m"

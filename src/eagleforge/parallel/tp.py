@@ -27,7 +27,7 @@ from eagleforge.errors import ConfigError
 
 def tp_axis(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The "tp" axis of the run's mesh, or None when there is no target TP (one rank per
-    target): the form ``HFTarget.from_config(tp_mesh=...)`` takes."""
+    target): the form ``build_target(..., tp_mesh=...)`` takes."""
     if mesh is None or mesh["tp"].size() == 1:
         return None
     return mesh["tp"]

@@ -1,6 +1,8 @@
 """Real acceptance length: speculative decoding with an HF target and a trained EAGLE-3 draft.
 
-``decode.py`` runs the decoding (chain or tree drafting, greedy or sampled verification),
+``decoder.py`` runs the decoding (chain or tree drafting, greedy or sampled verification) over
+``runners.py`` (the target and the draft with their caches), ``tree.py`` (the draft tree) and
+``sampling.py`` (rejection sampling); ``config.py`` holds the `eval` config section,
 ``prompts.py`` reads prompt sets, ``report.py`` summarises, writes and logs the results; the
 ``python -m eagleforge.evaluate`` entry point ties them together.
 """

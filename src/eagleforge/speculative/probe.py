@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from eagleforge.draft.model import Eagle3Draft
-from eagleforge.speculative.decode import EvalConfig, SpeculativeDecoder, eos_ids
+from eagleforge.speculative.config import EvalConfig
+from eagleforge.speculative.decoder import SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import PromptRenderer, load_prompt_sets
 from eagleforge.speculative.report import TurnRecord, summarise
 from eagleforge.targets.hf import HFTarget

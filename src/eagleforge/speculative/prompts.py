@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagleforge.data import corpora
+from eagleforge.data.collate import Collator
 from eagleforge.data.conversations import (
     ROLE_ALIASES,
     Conversation,
@@ -39,10 +40,10 @@ from eagleforge.data.conversations import (
     read_rows,
 )
 from eagleforge.data.corpora import offline as hub_offline
-from eagleforge.data.dataset import Collator, vision_settings
+from eagleforge.data.preprocess import vision_settings
 from eagleforge.data.template import ProcessorChat, expand_images
 from eagleforge.errors import DataError
-from eagleforge.speculative.decode import PromptImages
+from eagleforge.speculative.runners import PromptImages
 
 if TYPE_CHECKING:
     from eagleforge.targets.source import VisionProcessor

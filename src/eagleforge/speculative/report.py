@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagleforge.speculative.decode import DecodeResult
+from eagleforge.speculative.decoder import DecodeResult
 
 
 @dataclass

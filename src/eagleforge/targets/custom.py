@@ -30,9 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
 from eagleforge.layers import RMSNorm, rotate_half
-from eagleforge.targets import TargetConfig, TargetOutput, forward_over_group
+from eagleforge.targets.base import TargetOutput, forward_over_group
 from eagleforge.targets.masks import LayerAttention, attention_masks, layer_attention
-from eagleforge.targets.source import ModelConfig, checked_aux_layer_ids
+from eagleforge.targets.source import checked_aux_layer_ids
 
 
 @dataclass(frozen=True)
@@ -304,25 +304,6 @@ class CustomTarget:
         self._attention = set(decoder.attention)
 
     @classmethod
-    def from_config(
-        cls,
-        model_cfg: ModelConfig,
-        target_cfg: TargetConfig,
-        model_dir: str | Path,
-        device: torch.device,
-        aux_layer_ids: list[int] | None = None,
-        tp_mesh: DeviceMesh | None = None,
-    ) -> CustomTarget:
-        """The target as the run's `model` section describes it (see ``build_target``)."""
-        return cls.from_pretrained(
-            local_model_dir(model_dir, model_cfg.revision),
-            model_cfg.dtype.torch_dtype(device),
-            device,
-            aux_layer_ids=aux_layer_ids or model_cfg.aux_layer_ids,
-            tp_mesh=tp_mesh,
-        )
-
-    @classmethod
     def from_pretrained(
         cls,
         model_dir: Path,
@@ -362,9 +343,16 @@ class CustomTarget:
         attention_mask_BT: torch.Tensor,
         document_ids_BT: torch.Tensor | None = None,
         position_ids_BT: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Aux and final hidden states (see ``TargetBackend``); with a tp mesh every tp rank
         must call this, with its own micro-batch, in step."""
+        if pixel_values is not None or image_grid_thw is not None:
+            raise ConfigError(
+                "target=custom runs text-only targets; a vision-language batch "
+                "(data.is_vlm=true) runs with target=hf."
+            )
         batch = (input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT)
         return forward_over_group(self.tp_mesh, self._forward, *batch)
 

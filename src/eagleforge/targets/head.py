@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from eagleforge.errors import ConfigError
-from eagleforge.targets import TargetOutput
+from eagleforge.targets.base import TargetOutput
 from eagleforge.targets.source import checked_aux_layer_ids
 
 
@@ -65,7 +65,7 @@ class HeadOnlyTarget:
         self._embedding = embedding.to(device=device, dtype=dtype)
         self._lm_head = self._embedding if head is None else head.to(device=device, dtype=dtype)
 
-    def forward(self, *_: Any) -> TargetOutput:
+    def forward(self, *_: Any, **__: Any) -> TargetOutput:
         raise RuntimeError(
             "offline training reads the target's hidden states from the feature store; "
             "this batch has none (is data.features set for every loader?)"

@@ -23,9 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.tp import check_tp_fits, full_weight, load_tensor_parallel
-from eagleforge.targets import TargetConfig, TargetOutput, forward_over_group
+from eagleforge.targets.base import TargetOutput, forward_over_group
+from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.masks import MASKABLE_KINDS, attention_masks, layer_attention
-from eagleforge.targets.source import ModelConfig, checked_aux_layer_ids
+from eagleforge.targets.source import checked_aux_layer_ids
 
 # Vision-language targets whose M-RoPE (contiguous time/height/width sections) the draft
 # implements.
@@ -86,30 +87,6 @@ class HFTarget:
             head = model.get_output_embeddings().weight
             full = full_weight(embedding)
             self._gathered = (full, full if head is embedding else full_weight(head))
-
-    @classmethod
-    def from_config(
-        cls,
-        model_cfg: ModelConfig,
-        target_cfg: TargetConfig,
-        model_dir: str | Path,
-        device: torch.device,
-        aux_layer_ids: list[int] | None = None,
-        tp_mesh: DeviceMesh | None = None,
-    ) -> HFTarget:
-        """The target as the run's `model` and `target` sections describe it; ``aux_layer_ids``
-        overrides model.aux_layer_ids (e.g. with the layers a trained draft reads); ``tp_mesh``
-        is the run mesh's "tp" axis (``parallel.tp.tp_axis(world.mesh)``), None for no TP."""
-        return cls.from_pretrained(
-            model_dir,
-            target_cfg,
-            model_cfg.dtype.torch_dtype(device),
-            device,
-            aux_layer_ids=aux_layer_ids or model_cfg.aux_layer_ids,
-            trust_remote_code=model_cfg.trust_remote_code,
-            revision=model_cfg.revision,
-            tp_mesh=tp_mesh,
-        )
 
     @classmethod
     def from_pretrained(

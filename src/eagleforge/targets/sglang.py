@@ -4,23 +4,20 @@ EAGLE-3 aux-hidden-state capture SGLang itself uses for speculative decoding.
     python -m eagleforge.train +model=llama3 target=sglang parallel.device=cuda
     python -m eagleforge.prepare +model=llama3 target=sglang prepare.output_dir=/data/features
 
-What this module owns:
-
-- the ``target.sglang`` options turned into SGLang ``ServerArgs`` (``server_args_kwargs``);
-- SGLang's process groups on the run's tp ranks (``plan_ranks``, ``_start_model_runner``);
-- eagleforge's right-padded [B, T] rows turned into one SGLang prefill request per row (its real
-  tokens only, ``rows_to_sequences``) and SGLang's flat per-token results put back into the
-  [B, T, ...] layout, zeros in the padding (``sequences_to_rows``);
-- the whole input embedding and lm_head, gathered once when SGLang shards them over TP.
+What this module owns: SGLang's ModelRunner started on the run's tp ranks
+(``_start_model_runner``), one prefill of a batch's rows (``_prefill``), and the backend around
+them (``SGLangTarget``), with the whole input embedding and lm_head gathered once when SGLang
+shards them over TP. The options and ranks it starts with are planned in ``sglang_launch.py``;
+the translation between our padded rows and layer ids and SGLang's flat layout is in
+``sglang_layout.py``.
 
 Written against sglang 0.5.23 (pinned in pyproject's ``sglang`` extra): ModelRunner,
 ScheduleBatch, ForwardBatch, the runtime-context ``publish`` and the capture-only aux mode
 (``enable_return_aux_hidden_states``) are SGLang internals that move between its releases.
-sglang is imported inside functions only, so this module imports (and its pure functions run)
-without it.
+sglang is imported inside functions only, so this module imports without it.
 
 Shape suffixes: B batch, T sequence, N real tokens of a batch (all rows, flat), H target
-hidden, A = 3H (the three aux states), V target vocab, X any trailing width.
+hidden, A = 3H (the three aux states), V target vocab.
 """
 
 from __future__ import annotations
@@ -28,331 +25,45 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
-from eagleforge.targets import SGLangConfig, TargetConfig, TargetOutput, forward_over_group
-from eagleforge.targets.source import ModelConfig, default_aux_layer_ids
+from eagleforge.targets.base import TargetOutput, forward_over_group
+from eagleforge.targets.config import SGLangConfig
+from eagleforge.targets.sglang_launch import (
+    TESTED_SGLANG_VERSION,
+    SGLangRanks,
+    import_sglang,
+    nccl_environment,
+    plan_ranks,
+    server_args_fields,
+    server_args_kwargs,
+)
+from eagleforge.targets.sglang_layout import (
+    RowLayout,
+    aux_in_our_order,
+    rows_to_sequences,
+    sequences_to_rows,
+    sglang_aux_layer_ids,
+    sglang_snapshot_layers,
+    vocab_matrix_from_shards,
+)
+from eagleforge.targets.source import default_aux_layer_ids
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'eagleforge[sglang]'"
-# The release the in-process calls below were written and checked against.
-TESTED_SGLANG_VERSION = "0.5.23"
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-# ServerArgs fields this backend sets from other config fields; `extra` may not override them.
-_SET_ELSEWHERE = {
-    "model_path": "model.path",
-    "tokenizer_path": "model.path",
-    "trust_remote_code": "model.trust_remote_code",
-    "revision": "model.revision",
-    "dtype": "model.dtype",
-    "tp_size": "parallel.tp",
-    "pp_size": "parallel.tp (SGLang runs without pipeline parallelism here)",
-    "attention_backend": "target.sglang.attention_backend",
-    "mem_fraction_static": "target.sglang.mem_fraction_static",
-    "context_length": "target.sglang.context_length",
-    "max_running_requests": "target.sglang.max_running_requests",
-    "max_total_tokens": "target.sglang.max_total_tokens",
-    "disable_cuda_graph": "target.sglang.cuda_graph",
-    "disable_prefill_cuda_graph": "target.sglang.cuda_graph",
-    "disable_decode_cuda_graph": "target.sglang.cuda_graph",
-    "cuda_graph_backend_prefill": "target.sglang.piecewise_cuda_graph",
-    "cuda_graph_max_seq_len_prefill": "target.sglang.piecewise_cuda_graph_max_tokens",
-    "enable_torch_compile": "target.sglang.torch_compile",
-    "enable_nccl_nvls": "target.sglang.nccl_nvls",
-    "enable_symm_mem": "target.sglang.symm_mem",
-    "enable_dp_attention": "target.sglang.dp_attention",
-    "enable_dp_lm_head": "target.sglang.dp_lm_head",
-    "ep_size": "target.sglang.ep_size",
-    "return_aux_hidden_state_layer_ids": "model.aux_layer_ids",
-    "enable_return_aux_hidden_states": "the backend (aux capture is what it is for)",
-    "speculative_algorithm": "the backend (EAGLE3 names the capture convention)",
-    "skip_tokenizer_init": "the backend (it passes token ids)",
-    "disable_radix_cache": "the backend (every forward is a fresh prefill)",
-    "disable_overlap_schedule": "the backend (it runs no scheduler)",
-}
-
-
-def import_sglang() -> ModuleType:
-    """The sglang package, or a ConfigError saying how to install it."""
-    try:
-        import sglang
-    except ImportError as e:
-        raise ConfigError(
-            f"target.backend=sglang needs SGLang, which cannot be imported ({e}); install it "
-            f"with {INSTALL_HINT} (CUDA only), or use target=hf."
-        ) from None
-    version = getattr(sglang, "__version__", "unknown")
-    if version != TESTED_SGLANG_VERSION:
-        log.warning(
-            "sglang %s is installed; eagleforge's SGLang backend was written against %s and "
-            "uses its internal ModelRunner API, which changes between releases.",
-            version,
-            TESTED_SGLANG_VERSION,
-        )
-    return sglang
-
-
-# --- layer ids --------------------------------------------------------------------------------
-
-
-def sglang_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
-    """The ids to hand SGLang's EAGLE-3 capture (``return_aux_hidden_state_layer_ids``, which
-    reaches the model's ``set_eagle3_layers_to_capture``) for our output-of-layer ids.
-
-    SGLang's Llama/Qwen models add one to each id and snapshot the residual stream *entering*
-    that decoder layer, i.e. the output of layer ``id``: the same 0-based output-of-layer
-    numbering as ours (and as the exported draft's ``eagle_aux_hidden_state_layer_ids``), so
-    the numbers pass unchanged. The last layer's output enters no further layer, so SGLang
-    cannot capture it: ConfigError for that id. A repeated id is captured once (SGLang tests
-    "is this layer captured", and refuses repeats), so it is a ConfigError too.
-    """
-    if len(set(aux_layer_ids)) != len(aux_layer_ids):
-        raise ConfigError(
-            f"model.aux_layer_ids {list(aux_layer_ids)} repeats a layer, which SGLang captures "
-            f"once; set three distinct ids (a {num_layers}-layer target's default repeats one "
-            "when it has fewer than 7 layers)."
-        )
-    bad = [i for i in aux_layer_ids if not 0 <= i < num_layers - 1]
-    if bad:
-        raise ConfigError(
-            f"model.aux_layer_ids {list(aux_layer_ids)} has {bad}, but target=sglang captures "
-            f"the outputs of layers 0..{num_layers - 2} only (SGLang snapshots a layer's output "
-            f"as the next layer's input, and the last of the {num_layers} layers has none); "
-            "choose other ids or use target=hf."
-        )
-    return list(aux_layer_ids)
-
-
-def sglang_snapshot_layers(sglang_ids: list[int]) -> list[int]:
-    """The decoder layers whose *input* SGLang copies for these capture ids (its
-    ``layers_to_capture``): one higher, as its ``set_eagle3_layers_to_capture`` computes."""
-    return [i + 1 for i in sglang_ids]
-
-
-def aux_in_our_order(aux_NA: torch.Tensor, aux_layer_ids: list[int]) -> torch.Tensor:
-    """SGLang concatenates the captured states in layer order (it collects them as its layer
-    loop passes); ours follow ``aux_layer_ids`` as given (like the hf backend and the exported
-    draft's fc input). Reorder the [.., 3H] blocks when the ids are not ascending."""
-    ranked = sorted(aux_layer_ids)
-    order = [ranked.index(i) for i in aux_layer_ids]
-    if order == list(range(len(order))):
-        return aux_NA
-    blocks = aux_NA.chunk(len(order), dim=-1)
-    return torch.cat([blocks[j] for j in order], dim=-1)
-
-
-# --- padded rows <-> SGLang's flat token layout -------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """How a right-padded [B, T] batch maps onto SGLang's flat layout: the requests are the
-    rows with at least one real token, in row order, their tokens back to back."""
-
-    lengths: list[int]  # real tokens of each row (0: a row of padding only, sent nowhere)
-    seq_len: int  # T
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-
-def rows_to_sequences(
-    input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
-) -> tuple[list[list[int]], RowLayout]:
-    """One token-id list per row that has real tokens (SGLang's requests, in row order) and
-    the layout to put the results back. The rows must be right-padded: mask ones, then zeros."""
-    batch, seq = input_ids_BT.shape
-    mask_BT = attention_mask_BT.bool()
-    lengths_B = mask_BT.sum(dim=1)
-    prefix_BT = torch.arange(seq, device=mask_BT.device) < lengths_B.unsqueeze(1)
-    if not torch.equal(mask_BT, prefix_BT):
-        raise ValueError(
-            "target=sglang takes right-padded rows (attention_mask: ones, then zeros); this "
-            "batch has padding before or between real tokens."
-        )
-    lengths: list[int] = lengths_B.tolist()
-    ids_BT = input_ids_BT.cpu()  # one transfer for the whole batch
-    sequences = [ids_BT[row, :n].tolist() for row, n in enumerate(lengths) if n > 0]
-    return sequences, RowLayout(lengths, seq)
-
-
-def sequences_to_rows(flat_NX: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-    """SGLang's per-token results [N, X] (requests back to back, row order) as [B, T, X],
-    zeros at the padding positions."""
-    if flat_NX.shape[0] != layout.num_tokens:
-        raise RuntimeError(
-            f"SGLang returned {flat_NX.shape[0]} token rows for a batch of {layout.num_tokens} "
-            "real tokens."
-        )
-    lengths_B = torch.tensor(layout.lengths, device=flat_NX.device)
-    real_BT = torch.arange(layout.seq_len, device=flat_NX.device) < lengths_B.unsqueeze(1)
-    out_BTX = flat_NX.new_zeros(len(layout.lengths), layout.seq_len, *flat_NX.shape[1:])
-    # boolean-mask assignment walks the mask row by row, left to right: SGLang's order
-    out_BTX[real_BT] = flat_NX
-    return out_BTX
-
-
-def vocab_matrix_from_shards(shards: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
-    """The whole [V, H] matrix from the row shards of an SGLang vocab-parallel layer, in tp-rank
-    order: each rank holds one contiguous block of the padded vocabulary, and the padding rows
-    (up to a multiple of 64 x tp) come last."""
-    full_VH = torch.cat(shards, dim=0) if len(shards) > 1 else shards[0]
-    if full_VH.shape[0] < vocab_size:
-        raise RuntimeError(
-            f"SGLang's vocab shards hold {full_VH.shape[0]} rows, fewer than the target's "
-            f"vocab_size {vocab_size}."
-        )
-    return full_VH[:vocab_size]
-
-
-# --- options and ranks --------------------------------------------------------------------------
-
-
-def server_args_kwargs(
-    cfg: SGLangConfig,
-    model_dir: str | Path,
-    dtype: torch.dtype,
-    tp_size: int,
-    aux_layer_ids: list[int],
-    trust_remote_code: bool = False,
-    revision: str | None = None,
-    known_fields: set[str] | None = None,
-) -> dict[str, Any]:
-    """SGLang ``ServerArgs`` keyword arguments for the target; ``aux_layer_ids`` are SGLang's
-    (``sglang_aux_layer_ids``). ``known_fields`` (ServerArgs' field names) checks ``cfg.extra``:
-    unknown keys, and keys another config field sets, are a ConfigError naming the key."""
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(
-            f"model.dtype={dtype} is not one SGLang runs (bfloat16, float16, float32)."
-        )
-    graphs = cfg.cuda_graph or cfg.piecewise_cuda_graph
-    kwargs: dict[str, Any] = {
-        "model_path": str(model_dir),
-        "tokenizer_path": str(model_dir),
-        "skip_tokenizer_init": True,
-        "trust_remote_code": trust_remote_code,
-        "revision": revision,
-        "dtype": _DTYPE_NAMES[dtype],
-        "tp_size": tp_size,
-        "pp_size": 1,
-        "attention_backend": cfg.attention_backend,
-        "mem_fraction_static": cfg.mem_fraction_static,
-        "context_length": cfg.context_length,
-        "max_running_requests": cfg.max_running_requests,
-        "max_total_tokens": cfg.max_total_tokens,
-        "enable_torch_compile": cfg.torch_compile,
-        "enable_nccl_nvls": cfg.nccl_nvls,
-        "enable_symm_mem": cfg.symm_mem,
-        "enable_dp_attention": cfg.dp_attention,
-        "enable_dp_lm_head": cfg.dp_lm_head,
-        "ep_size": cfg.ep_size,
-        # Nothing is shared between forwards: each is a fresh prefill, its KV freed after it.
-        "disable_radix_cache": True,
-        "disable_overlap_schedule": True,
-        # SGLang's capture-only mode: EAGLE-3 aux capture on the target, no draft loaded, and
-        # the post-norm last hidden state of every token kept beside the aux states.
-        "enable_return_aux_hidden_states": True,
-        "speculative_algorithm": "EAGLE3",
-        "return_aux_hidden_state_layer_ids": list(aux_layer_ids),
-        "log_level": "warning",
-    }
-    if graphs:
-        # Every forward here is a prefill: decode graphs would only cost capture time and memory.
-        kwargs["disable_decode_cuda_graph"] = True
-        kwargs["cuda_graph_backend_prefill"] = "breakable" if cfg.piecewise_cuda_graph else "full"
-        kwargs["cuda_graph_max_seq_len_prefill"] = cfg.piecewise_cuda_graph_max_tokens
-    else:
-        kwargs["disable_cuda_graph"] = True
-    for key, value in cfg.extra.items():
-        if key in _SET_ELSEWHERE:
-            raise ConfigError(
-                f"target.sglang.extra.{key} is set by {_SET_ELSEWHERE[key]}; remove it from "
-                "extra (and set that field instead)."
-            )
-        if known_fields is not None and key not in known_fields:
-            raise ConfigError(
-                f"target.sglang.extra.{key} is not a field of sglang's ServerArgs; use the "
-                "underscored name of a `python -m sglang.launch_server --help` option."
-            )
-        kwargs[key] = value
-    return kwargs
-
-
-def server_args_fields(server_args_cls: type) -> set[str]:
-    """Field names of SGLang's ServerArgs (a msgspec Struct in 0.5.x, a dataclass before)."""
-    names = getattr(server_args_cls, "__struct_fields__", None)
-    if names is None:
-        import dataclasses
-
-        names = tuple(f.name for f in dataclasses.fields(server_args_cls))
-    return set(names)
-
-
-def nccl_environment(cfg: SGLangConfig) -> dict[str, str]:
-    """NCCL variables the chosen collectives need, set before SGLang builds its communicators.
-    (SGLang's own launcher sets them in a helper that also installs a process-killing SIGQUIT
-    handler and forces the spawn start method, which is not for a library inside a trainer.)"""
-    env: dict[str, str] = {}
-    if cfg.nccl_nvls or cfg.symm_mem:
-        env["NCCL_NVLS_ENABLE"] = "1"
-    if cfg.symm_mem:
-        env["NCCL_CUMEM_ENABLE"] = "1"
-    return env
-
-
-@dataclass(frozen=True)
-class SGLangRanks:
-    """Where this process sits in SGLang's topology."""
-
-    tp_size: int  # SGLang's tensor-parallel size (= parallel.tp)
-    tp_rank: int  # this process's rank in it (= its torch.distributed rank when adopted)
-    adopt_world: bool  # SGLang builds its groups over the existing torch.distributed world
-
-
-def plan_ranks(
-    tp_ranks: list[int] | None, world_initialized: bool, world_size: int, rank: int
-) -> SGLangRanks:
-    """SGLang's TP group is the run's tp axis (``tp_ranks``: its global ranks, None for no
-    TP). SGLang builds its process groups over the whole torch.distributed world and requires
-    that world to be exactly its TP group, so an existing world must be the tp axis; without
-    one (a single process), SGLang starts its own world of one."""
-    if not world_initialized:
-        if tp_ranks is not None and len(tp_ranks) > 1:
-            raise ConfigError(
-                f"parallel.tp={len(tp_ranks)} needs torch.distributed, which is not initialised; "
-                "launch with torchrun (or SLURM)."
-            )
-        return SGLangRanks(tp_size=1, tp_rank=0, adopt_world=False)
-    ranks = tp_ranks if tp_ranks is not None else [rank]
-    if ranks != list(range(world_size)):
-        raise ConfigError(
-            f"target=sglang with parallel.tp={len(ranks)} on {world_size} processes: SGLang "
-            "builds its process groups over the whole torch.distributed world, so the tp axis "
-            f"must span all of it (parallel.tp={world_size}, no data parallelism); or capture "
-            "features with `python -m eagleforge.prepare target=sglang` (each process its own "
-            "target) and train offline, or use target=hf."
-        )
-    return SGLangRanks(tp_size=len(ranks), tp_rank=ranks.index(rank), adopt_world=True)
+# --- SGLang itself (CUDA) ------------------------------------------------------------------------
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-# --- SGLang itself (CUDA) ------------------------------------------------------------------------
 
 
 class _NoPrefixCache:
@@ -578,17 +289,19 @@ class SGLangTarget:
         )
 
     @classmethod
-    def from_config(
+    def from_pretrained(
         cls,
-        model_cfg: ModelConfig,
-        target_cfg: TargetConfig,
         model_dir: str | Path,
+        cfg: SGLangConfig,
+        dtype: torch.dtype,
         device: torch.device,
         aux_layer_ids: list[int] | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
         tp_mesh: DeviceMesh | None = None,
     ) -> SGLangTarget:
-        """The target as the run's `model` and `target` sections describe it; ``aux_layer_ids``
-        overrides model.aux_layer_ids; ``tp_mesh`` is the run mesh's "tp" axis (None: no TP).
+        """Start SGLang on ``model_dir`` with the ``target.sglang`` options; ``aux_layer_ids``
+        None: the default layers; ``tp_mesh`` is the run mesh's "tp" axis (None: no TP).
         Every tp rank must call this together."""
         if device.type != "cuda":
             raise ConfigError(
@@ -600,10 +313,10 @@ class SGLangTarget:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(
-            model_dir, trust_remote_code=model_cfg.trust_remote_code, revision=model_cfg.revision
+            model_dir, trust_remote_code=trust_remote_code, revision=revision
         )
         num_layers = int(config.get_text_config().num_hidden_layers)
-        ours = list(aux_layer_ids or model_cfg.aux_layer_ids or default_aux_layer_ids(num_layers))
+        ours = list(aux_layer_ids or default_aux_layer_ids(num_layers))
         theirs = sglang_aux_layer_ids(ours, num_layers)
         dist = torch.distributed
         initialized = dist.is_available() and dist.is_initialized()
@@ -614,13 +327,13 @@ class SGLangTarget:
             dist.get_rank() if initialized else 0,
         )
         kwargs = server_args_kwargs(
-            target_cfg.sglang,
+            cfg,
             model_dir,
-            model_cfg.dtype.torch_dtype(device),
+            dtype,
             ranks.tp_size,
             theirs,
-            trust_remote_code=model_cfg.trust_remote_code,
-            revision=model_cfg.revision,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
             known_fields=server_args_fields(ServerArgs),
         )
         log.info(
@@ -630,7 +343,7 @@ class SGLangTarget:
             ours,
             sglang_snapshot_layers(theirs),
         )
-        runner = _start_model_runner(kwargs, target_cfg.sglang, ranks, device)
+        runner = _start_model_runner(kwargs, cfg, ranks, device)
         return cls(runner, config, ours, tp_mesh)
 
     @torch.no_grad()
@@ -640,10 +353,17 @@ class SGLangTarget:
         attention_mask_BT: torch.Tensor,
         document_ids_BT: torch.Tensor | None = None,
         position_ids_BT: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Aux and final hidden states of right-padded rows (zeros at padding). Packed rows
-        are not supported. With a tp mesh every tp rank must call this (with its own
-        micro-batch) in step."""
+        and images are not supported. With a tp mesh every tp rank must call this (with its
+        own micro-batch) in step."""
+        if pixel_values is not None or image_grid_thw is not None:
+            raise ConfigError(
+                "target=sglang runs text-only targets; a vision-language batch "
+                "(data.is_vlm=true) runs with target=hf."
+            )
         if document_ids_BT is not None:
             raise ConfigError(
                 "target=sglang does not run packed rows (document_ids); set data.packing=false "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from eagleforge.batch import IMAGE_KEYS, Teacher, TTTBatch, rows_per_chunk, shift_left
-from eagleforge.targets import TargetOutput
+from eagleforge.targets.base import TargetBackend, TargetOutput
 
 
 @torch.no_grad()
@@ -56,7 +56,7 @@ def compute_teacher(
 
 
 def teacher_batch(
-    target,  # type: ignore[no-untyped-def]  # a TargetBackend
+    target: TargetBackend,
     batch: dict[str, torch.Tensor],
     draft_ids_W: torch.Tensor,
     t2d_V: torch.Tensor,

@@ -1,12 +1,14 @@
-"""A tiny hand-sized draft (H=16, 2 heads, 1 kv head, V=50, W=20) and random batches for it,
-shared by the TTT tests."""
+"""Drafts without training: a tiny hand-sized one (H=16, 2 heads, 1 kv head, V=50, W=20) and
+random batches for it (the TTT, checkpoint and export tests), and a random draft for a real
+target (the decoding tests)."""
 
 from __future__ import annotations
 
 import torch
 
 from eagleforge.batch import Teacher, TTTBatch
-from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagleforge.targets.hf import HFTarget
 
 
 def tiny_arch() -> DraftArchitecture:
@@ -67,3 +69,17 @@ def random_batch(
             in_draft_BT=torch.ones(batch, seq, dtype=torch.bool),
         ),
     )
+
+
+def random_draft(target: HFTarget, draft_vocab: int, std: float, seed: int) -> Eagle3Draft:
+    """An untrained draft for a real ``target``, over its first ``draft_vocab`` ids."""
+    arch = DraftArchitecture.from_target(
+        target.config, DraftConfig(draft_vocab_size=draft_vocab), target.aux_layer_ids
+    )
+    draft = Eagle3Draft(arch)
+    draft.init_weights(std, torch.Generator().manual_seed(seed))
+    draft.load_embedding(target.input_embedding().detach())
+    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    draft.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
+    return draft.eval()

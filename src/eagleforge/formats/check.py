@@ -1,0 +1,134 @@
+"""The draft inspector: every problem that would make a draft directory from any tool load
+wrongly or accept poorly (``python -m eagleforge.export --check DIR``), and loading a draft
+only once it has none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from eagleforge.draft.model import DraftArchitecture
+from eagleforge.errors import ConfigError
+from eagleforge.files import checksum_problem
+from eagleforge.formats.kinds import DraftFormat
+from eagleforge.formats.read import (
+    architecture_of,
+    aux_layer_ids_of,
+    detect_format,
+    from_format,
+    llama_fields,
+)
+
+
+def check_draft(path: str | Path, target_num_layers: int | None = None) -> list[str]:
+    """Every problem that would make an EAGLE-3 draft directory in any of the three formats
+    (from any tool) load wrongly or accept poorly; an empty list when there is none."""
+    return _inspect(Path(path), target_num_layers)[0]
+
+
+def load_checked_draft(
+    path: str | Path, target_num_layers: int
+) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
+    """``load_sglang`` after ``check_draft`` (reading the weights once); ConfigError listing
+    every problem."""
+    problems, config, tensors = _inspect(Path(path), target_num_layers)
+    if problems:
+        raise ConfigError(
+            f"{path}: not a usable EAGLE-3 draft: {'; '.join(problems)}. Export it again with "
+            "the tool that trained it, or train one with eagleforge for this target."
+        )
+    return architecture_of(config), tensors
+
+
+def _inspect(
+    path: Path, target_num_layers: int | None
+) -> tuple[list[str], dict[str, Any], dict[str, torch.Tensor]]:
+    """(problems, config, tensors with eagleforge names) of a draft directory; the last two
+    empty when unreadable."""
+    problems: list[str] = []
+    config_path, weights_path = path / "config.json", path / "model.safetensors"
+    if not config_path.is_file():
+        return [f"{path}: no config.json"], {}, {}
+    corrupt = checksum_problem(path)  # a training checkpoint records its files' digests
+    if corrupt is not None:
+        return [f"{path}: {corrupt}, so its files are corrupt (use an earlier checkpoint)"], {}, {}
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{config_path}: not valid JSON ({e.msg})"], {}, {}
+    fmt = detect_format(config)
+    if config.get("architectures") != [fmt.architecture]:
+        problems.append(
+            f"architectures is {config.get('architectures')!r}, a {fmt.value} draft needs "
+            f"['{fmt.architecture}'] (a plain LlamaForCausalLM is loaded as a normal model)"
+        )
+    layer = llama_fields(config)
+    for key in ("hidden_size", "vocab_size", "num_attention_heads"):
+        if not isinstance(layer.get(key), int):
+            problems.append(f"config.json has no integer '{key}'")
+    if not isinstance(config.get("draft_vocab_size"), int):
+        problems.append("config.json has no integer 'draft_vocab_size'")
+    if layer.get("tie_word_embeddings"):
+        problems.append(
+            "tie_word_embeddings is true: the draft's lm_head (over the draft vocabulary) must "
+            "not be tied to the target's embedding"
+        )
+    layer_ids = aux_layer_ids_of(config)
+    where = (
+        "eagle_config.eagle_aux_hidden_state_layer_ids"
+        if fmt == DraftFormat.sglang
+        else "eagle_aux_hidden_state_layer_ids"
+    )
+    if not (isinstance(layer_ids, list) and len(layer_ids) == 3):
+        problems.append(f"{where} must list the 3 target layers the draft reads, got {layer_ids!r}")
+    elif target_num_layers is not None:
+        # In its own numbering every format names layers 0..N-1 (SGLang their outputs, vLLM
+        # their inputs), so the check is on the ids as written.
+        shown = [i + fmt.layer_id_offset for i in layer_ids]
+        if not all(0 <= i < target_num_layers for i in shown):
+            problems.append(
+                f"aux layer ids {shown} ({fmt.value} numbering) are outside the target's "
+                f"0..{target_num_layers - 1}"
+            )
+    if not weights_path.is_file():
+        return [*problems, f"{path}: no model.safetensors"], config, {}
+    tensors = {from_format(k): v for k, v in load_file(str(weights_path)).items()}
+    hidden, draft_vocab = layer.get("hidden_size"), config.get("draft_vocab_size")
+    vocab = layer.get("vocab_size")
+    head = tensors.get("lm_head.weight")
+    if head is None:
+        problems.append("no lm_head.weight: the engine would use an untrained head (τ = 1)")
+    elif tuple(head.shape) != (draft_vocab, hidden):
+        problems.append(
+            f"lm_head.weight has shape {tuple(head.shape)}, expected (draft_vocab_size "
+            f"{draft_vocab}, hidden_size {hidden})"
+        )
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None or t2d is None:
+        problems.append(
+            "no d2t/t2d vocab map: draft ids would be read as target ids (acceptance collapses)"
+        )
+    else:
+        if tuple(d2t.shape) != (draft_vocab,) or d2t.dtype != torch.int64:
+            problems.append(
+                f"d2t must be int64 [{draft_vocab}], got {d2t.dtype} {tuple(d2t.shape)}"
+            )
+        elif tuple(t2d.shape) != (vocab,) or t2d.dtype != torch.bool:
+            problems.append(f"t2d must be bool [{vocab}], got {t2d.dtype} {tuple(t2d.shape)}")
+        else:
+            target_ids = torch.arange(len(d2t)) + d2t
+            if bool(((target_ids < 0) | (target_ids >= len(t2d))).any()):
+                problems.append("d2t maps draft ids outside the target vocabulary")
+            elif not bool(t2d[target_ids].all()) or int(t2d.sum()) != len(d2t):
+                problems.append("d2t and t2d disagree on which target ids are in the draft vocab")
+    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    if len(floats) > 1:
+        problems.append(f"weights mix dtypes {sorted(str(d) for d in floats)}")
+    declared = config.get("torch_dtype")
+    if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
+        problems.append(f"config says torch_dtype {declared}, the weights are {next(iter(floats))}")
+    return problems, config, tensors

@@ -1,0 +1,34 @@
+"""The three draft formats (``DraftFormat``): their architecture names, layer tensor prefixes
+and aux layer numbering (the table in ``eagleforge.formats``)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+
+
+class DraftFormat(str, Enum):
+    sglang = "sglang"
+    vllm = "vllm"
+    speculators = "speculators"
+
+    @property
+    def architecture(self) -> str:
+        return {
+            "sglang": SGLANG_ARCHITECTURE,
+            "vllm": VLLM_ARCHITECTURE,
+            "speculators": SPECULATORS_ARCHITECTURE,
+        }[self.value]
+
+    @property
+    def layer_prefix(self) -> str:
+        """Name prefix of the decoder layer's tensors (eagleforge's own is ``midlayer.``)."""
+        return "midlayer." if self == DraftFormat.sglang else "layers.0."
+
+    @property
+    def layer_id_offset(self) -> int:
+        """Added to eagleforge's (output-of-layer) aux layer ids in this format."""
+        return 0 if self == DraftFormat.sglang else 1

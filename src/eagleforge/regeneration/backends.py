@@ -1,0 +1,194 @@
+"""The backends that write the replies: an OpenAI-compatible server, or the target in process.
+
+Each is a ``Generate`` (``eagleforge.regeneration.rows``): histories in, one reply each out,
+every reply through the same post-processing (``finish_reply``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from eagleforge.data.conversations import Conversation
+from eagleforge.errors import ConfigError
+from eagleforge.regeneration.config import RegenerateConfig
+from eagleforge.regeneration.rows import Reply, RequestFailed
+
+if TYPE_CHECKING:
+    from eagleforge.targets.source import ModelConfig
+
+THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+# What a decoder writes for the bytes of a character that the max_new_tokens cut split.
+PARTIAL_CHAR = "\ufffd"
+
+
+def split_reasoning(text: str, reasoning: str | None) -> Reply:
+    """A reply with inline ``<think>…</think>`` moved to ``reasoning``."""
+    match = THINK.match(text)
+    if match and reasoning is None:
+        return Reply(text[match.end() :], match.group(1).strip())
+    return Reply(text, reasoning)
+
+
+def finish_reply(text: str, reasoning: str | None, *, cut: bool) -> Reply:
+    """The one post-processing of every backend's reply. ``cut``: generation stopped at
+    max_new_tokens, so trailing U+FFFD are the bytes of a split emoji or CJK character and are
+    dropped (they would be trained on, and condition the next turn). Whitespace is kept as the
+    target wrote it: the draft learns the target's tokens, and templates that trim, trim."""
+    if cut:
+        text = text.rstrip(PARTIAL_CHAR)
+    return split_reasoning(text, reasoning)
+
+
+class ServerBackend:
+    """Chat completions from OpenAI-compatible endpoints: each conversation of a call in its
+    own thread (``concurrency`` at once), spread over the base URLs, with retries."""
+
+    def __init__(self, cfg: RegenerateConfig) -> None:
+        self.cfg = cfg
+        self.urls = [url.rstrip("/") for url in cfg.base_urls]
+        self.api_key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
+        self.model = cfg.model or self._served_model()
+        self.model_name = self.model  # recorded with the output (see run_settings)
+        self.pool = ThreadPoolExecutor(cfg.concurrency)
+        self.calls = 0
+
+    def _request(self, url: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as response:
+            return json.loads(response.read())
+
+    def _with_retries(
+        self, path: str, body: dict[str, Any] | None, first: int = 0
+    ) -> dict[str, Any]:
+        """POST ``body`` (GET without one) to ``path`` under base URL ``first``; each retry goes
+        to the next base URL, so a server that is down costs one attempt, not a conversation."""
+        delay, attempts = self.cfg.retry_backoff_s, self.cfg.max_retries + 1
+        for attempt in range(attempts):
+            url = f"{self.urls[(first + attempt) % len(self.urls)]}/{path}"
+            try:
+                return self._request(url, body)
+            except urllib.error.HTTPError as e:
+                reason = f"HTTP {e.code} from {url}: {e.read()[:300].decode(errors='replace')}"
+                if 400 <= e.code < 500 and e.code not in (408, 429):
+                    raise RequestFailed(reason) from None  # the request itself is wrong
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                reason = f"{url}: {getattr(e, 'reason', e)}"
+            except json.JSONDecodeError as e:
+                reason = f"{url}: not a JSON response ({e.msg})"
+            if attempt + 1 < attempts:
+                time.sleep(delay)
+                delay *= 2
+        raise RequestFailed(f"{reason} (after {attempts} attempts)")
+
+    def _served_model(self) -> str:
+        try:
+            listing = self._with_retries("models", None)
+            return str(listing["data"][0]["id"])
+        except (RequestFailed, KeyError, IndexError, TypeError) as e:
+            raise ConfigError(
+                f"regenerate.base_urls[0]={self.urls[0]}: cannot list its models ({e}); start "
+                "the server first, check the URL (it ends in /v1), or set regenerate.model."
+            ) from None
+
+    def _reply(self, index: int, history: Conversation) -> Reply | RequestFailed:
+        body = {
+            "model": self.model,
+            "messages": history,
+            "max_tokens": self.cfg.max_new_tokens,
+            "temperature": self.cfg.temperature,
+            "top_p": self.cfg.top_p,
+        }
+        try:
+            response = self._with_retries("chat/completions", body, first=index)
+            choice = response["choices"][0]
+            message = choice["message"]
+            return finish_reply(
+                message.get("content") or "",
+                message.get("reasoning_content"),
+                cut=choice.get("finish_reason") == "length",
+            )
+        except RequestFailed as e:
+            return e
+        except (KeyError, IndexError, TypeError) as e:
+            return RequestFailed(f"unexpected response shape ({type(e).__name__}: {e})")
+
+    def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
+        start = self.calls
+        self.calls += len(histories)
+        futures = [
+            self.pool.submit(self._reply, start + i, history) for i, history in enumerate(histories)
+        ]
+        return [f.result() for f in futures]
+
+
+class HFBackend:
+    """Batched ``generate`` with the target in this process (left-padded prompts)."""
+
+    def __init__(
+        self, cfg: RegenerateConfig, model: Any, tokenizer: Any, device: torch.device, name: str
+    ) -> None:
+        self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
+        self.model_name = name  # recorded with the output (see run_settings)
+        # a row that ends in none of these was cut at max_new_tokens
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.stop_ids = set(tokenizer.all_special_ids) | set(
+            eos if isinstance(eos, list) else [] if eos is None else [eos]
+        )
+
+    @torch.no_grad()
+    def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
+        replies: list[Reply | RequestFailed] = []
+        for start in range(0, len(histories), self.cfg.batch_size):
+            batch = histories[start : start + self.cfg.batch_size]
+            prompts = [
+                self.tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True)
+                for h in batch
+            ]
+            inputs = self.tokenizer(
+                prompts, return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(self.device)
+            sampling = self.cfg.temperature > 0
+            output = self.model.generate(
+                **inputs,
+                max_new_tokens=self.cfg.max_new_tokens,
+                do_sample=sampling,
+                temperature=self.cfg.temperature if sampling else None,
+                top_p=self.cfg.top_p if sampling else None,
+                top_k=None,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            new_tokens = output[:, inputs["input_ids"].shape[1] :].tolist()
+            replies += [self._reply(ids) for ids in new_tokens]
+        return replies
+
+    def _reply(self, ids: list[int]) -> Reply:
+        """One row of new tokens as a reply. A row that ends in an ordinary token was cut at
+        max_new_tokens (an ended one ends in eos, then padding); when the cut split a
+        character, the tokens that carry its first bytes are dropped too, so the reply is a
+        whole-token prefix of what the target generated."""
+        cut = bool(ids) and ids[-1] not in self.stop_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        while cut and ids and text.endswith(PARTIAL_CHAR):
+            ids = ids[:-1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return finish_reply(text, None, cut=cut)
+
+
+def hf_model_name(model: ModelConfig) -> str:
+    """The target of the hf backend as recorded with the output: its path or hub id (at a
+    revision), or its source for the bundled and random models."""
+    name = model.path or model.source.value
+    return f"{name}@{model.revision}" if model.revision else name

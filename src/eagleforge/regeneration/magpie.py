@@ -1,0 +1,103 @@
+"""Magpie (Xu et al. 2024): the target writes the first user turns, which it then answers.
+
+Each prompt is sampled from the chat template's user header (hf backend only); the prompts are
+saved before any is answered, so a resumed job answers the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from eagleforge.errors import ConfigError
+from eagleforge.regeneration.backends import HFBackend
+from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
+from eagleforge.regeneration.output import write_lines_atomically
+from eagleforge.regeneration.rows import Generate, Row
+
+
+@torch.no_grad()
+def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
+    """``count`` distinct first user turns sampled from the chat template's user header
+    (Magpie), in the order written; those the target does not end are dropped."""
+    header = user_header(backend.tokenizer)
+    ids = backend.tokenizer(header, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = ids.to(backend.device).expand(backend.cfg.batch_size, -1)
+    prompts: dict[str, None] = {}  # insertion-ordered set
+    tries, max_tries = 0, 4 * count + 4 * backend.cfg.batch_size
+    bar = tqdm(total=count, unit="prompt", desc="magpie prompts")
+    while len(prompts) < count:
+        if tries >= max_tries:
+            raise ConfigError(
+                f"regenerate.magpie: the target wrote only {len(prompts)} distinct, ended "
+                f"prompts in {tries} tries; raise regenerate.magpie.max_new_tokens or "
+                "temperature, or ask for fewer."
+            )
+        output = backend.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=None,
+            pad_token_id=backend.tokenizer.pad_token_id,
+        )
+        tries += len(ids)
+        for row in output[:, ids.shape[1] :].tolist():
+            end = next((i for i, t in enumerate(row) if t in backend.stop_ids), None)
+            text = "" if end is None else backend.tokenizer.decode(row[:end]).strip()
+            if text and text not in prompts and len(prompts) < count:
+                prompts[text] = None
+                bar.update()
+    bar.close()
+    return list(prompts)
+
+
+def user_header(tokenizer: Any) -> str:
+    """The chat template's text before a first user message's content (with the template's
+    default system prompt, if it has one): where the target, continuing, writes a prompt."""
+    mark = "\x00magpie\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    if text.count(mark) != 1:
+        raise ConfigError(
+            "regenerate.magpie: the tokenizer's chat template does not render a user message "
+            "verbatim, so its user header cannot be found; this model needs prompts from data."
+        )
+    return str(text[: text.index(mark)])
+
+
+# the turn regenerate_rows writes after each Magpie prompt (read, never changed)
+ASSISTANT_TO_WRITE = {"role": "assistant", "content": ""}
+
+
+def magpie_rows(
+    path: Path, cfg: RegenerateConfig, backend: Callable[[], Generate]
+) -> tuple[list[Row], list[str]]:
+    """The rows to answer and the held-out prompts of a Magpie job: read from ``path`` when an
+    earlier call wrote them, else written by the target and saved there first."""
+    magpie = cfg.magpie
+    wanted = magpie.num_prompts + magpie.held_out
+    if path.exists():
+        prompts = [json.loads(line) for line in path.read_text().splitlines()]
+        if len(prompts) != wanted:
+            raise ConfigError(
+                f"regenerate.magpie asks for {magpie.num_prompts} + {magpie.held_out} held-out "
+                f"prompts but {path} holds the {len(prompts)} an earlier call wrote: rerun with "
+                f"those numbers to resume, or remove {path.parent} to start over."
+            )
+    else:
+        generate = backend()
+        assert isinstance(generate, HFBackend)  # RegenerateConfig requires backend=hf
+        prompts = user_turns(generate, wanted, magpie)
+        write_lines_atomically(path, [json.dumps(p) for p in prompts])
+    rows = [
+        Row(i, f"magpie-{i:06d}", [{"role": "user", "content": p}, ASSISTANT_TO_WRITE])
+        for i, p in enumerate(prompts[: magpie.num_prompts])
+    ]
+    return rows, prompts[magpie.num_prompts :]
