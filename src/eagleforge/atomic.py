@@ -5,7 +5,7 @@ Every directory eagleforge writes (a checkpoint, an exported draft, a preprocess
 entry, a converted model) is written through ``atomic_directory``: into
 ``.<name>.<pid>@<host>.<random>`` beside its final path (``writer_temp_dir``), renamed when
 complete. Single files (a feature shard, a manifest, a cached vocab map, a data file) go
-through ``atomic_file``: ``.tmp-<name>.<pid>`` and ``os.replace``.
+through ``atomic_file``: ``.tmp-<name>.<pid>@<host>`` and ``os.replace``.
 
 A writer killed midway leaves its temporary directory; the next write or lookup in the same
 directory removes it (``remove_stale_temps``) once it is certainly abandoned:

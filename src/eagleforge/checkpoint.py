@@ -153,7 +153,7 @@ def explicit_checkpoint(resume: str) -> Path:
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete and intact ``checkpoints/step_*`` of a run. Temporary ``.tmp-*``
+    """The newest complete and intact ``checkpoints/step_*`` of a run. The hidden temporary
     directories of an interrupted save are not complete, and are ignored; a corrupt
     checkpoint (``checksum_problem``) is passed over with a warning. Raises CheckpointError
     when every checkpoint is corrupt, rather than starting the run over."""

@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -215,7 +216,7 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: str | Path) -> Path | str:
     return random_llama_dir(cfg.random, cache_dir)
 
 
-def _atomic_build(final: Path, build) -> Path:  # type: ignore[no-untyped-def]
+def _atomic_build(final: Path, build: Callable[[Path], None]) -> Path:
     """Run ``build(tmp_dir)`` and rename the result to ``final``; a crash leaves no half dir."""
     if (final / "config.json").exists():
         remove_stale_temps(final.parent)  # what a conversion killed midway left behind
