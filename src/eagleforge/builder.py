@@ -287,14 +287,15 @@ def build_draft(config: EagleForgeConfig, inputs: Inputs, world: World) -> Eagle
     return draft
 
 
-def ttt_module(config: EagleForgeConfig, draft: Eagle3Draft, world: World) -> TTTModule:
+def ttt_module(
+    config: EagleForgeConfig, draft: Eagle3Draft, world: World, sp: SequenceParallel
+) -> TTTModule:
     """The draft with the unrolled TTT as its forward, its attention the configured backend
     (sequence-parallel attention over the world's sp ranks under usp), sharded over every
     rank."""
     attention = config.draft.attention_for(world.device)
     ttt_attention: AttentionBackend | USPBackend = attention
     if attention == AttentionBackend.usp:
-        sp = SequenceParallel.from_world(world)
         arch = draft.arch
         check_heads(arch.num_attention_heads, arch.num_key_value_heads, sp.ulysses_size)
         ttt_attention = USPBackend(sp, config.draft.ttt_length)
@@ -325,16 +326,15 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         inputs.train.num_tokens(),
     )
     draft = build_draft(config, inputs, world)
-    module = ttt_module(config, draft, world)
+    sp = SequenceParallel.from_world(world)
+    module = ttt_module(config, draft, world, sp)
     packing = resolve_packing(config, inputs.target)
     if packing:
         log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
-    batches = TrainBatches(
-        config, inputs, draft, pad_id, packing, world, SequenceParallel.from_world(world)
-    )
+    batches = TrainBatches(config, inputs, draft, pad_id, packing, world, sp)
 
     trainer_cfg = config.trainer
     # rank 0 picks the checkpoint (ranks must agree, also on a lagging network filesystem)

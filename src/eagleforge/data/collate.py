@@ -94,22 +94,6 @@ class Collator:
                 )
 
 
-def pack_indices(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing: consecutive samples of ``order`` share a row while they fit ``max_tokens``."""
-    rows: list[list[int]] = []
-    row: list[int] = []
-    used = 0
-    for index in order:
-        if row and used + lengths[index] > max_tokens:
-            rows.append(row)
-            row, used = [], 0
-        row.append(index)
-        used += lengths[index]
-    if row:
-        rows.append(row)
-    return rows
-
-
 @dataclass
 class PackedCollator:
     """Concatenates samples into one row [1, L] with document_ids and per-document

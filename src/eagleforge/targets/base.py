@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from eagleforge.errors import ConfigError
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -62,6 +64,17 @@ class TargetBackend(Protocol):
     def packing_blocker(self) -> str | None:
         """Why this target cannot run packed rows (several documents per row), or None."""
         ...
+
+
+def refuse_images(
+    backend: str, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+) -> None:
+    """A text-only backend's answer to a vision-language batch: one ConfigError."""
+    if pixel_values is not None or image_grid_thw is not None:
+        raise ConfigError(
+            f"target={backend} runs text-only targets; a vision-language batch "
+            "(data.is_vlm=true) runs with target=hf."
+        )
 
 
 def forward_over_group(

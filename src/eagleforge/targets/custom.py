@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
 from eagleforge.layers import RMSNorm, rotate_half
-from eagleforge.targets.base import TargetOutput, forward_over_group
+from eagleforge.targets.base import TargetOutput, forward_over_group, refuse_images
 from eagleforge.targets.masks import LayerAttention, attention_masks, layer_attention
 from eagleforge.targets.source import checked_aux_layer_ids
 
@@ -348,11 +348,7 @@ class CustomTarget:
     ) -> TargetOutput:
         """Aux and final hidden states (see ``TargetBackend``); with a tp mesh every tp rank
         must call this, with its own micro-batch, in step."""
-        if pixel_values is not None or image_grid_thw is not None:
-            raise ConfigError(
-                "target=custom runs text-only targets; a vision-language batch "
-                "(data.is_vlm=true) runs with target=hf."
-            )
+        refuse_images("custom", pixel_values, image_grid_thw)
         batch = (input_ids_BT, attention_mask_BT, document_ids_BT, position_ids_BT)
         return forward_over_group(self.tp_mesh, self._forward, *batch)
 

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from eagleforge.errors import ConfigError
-from eagleforge.targets.base import TargetOutput, forward_over_group
+from eagleforge.targets.base import TargetOutput, forward_over_group, refuse_images
 from eagleforge.targets.config import SGLangConfig
 from eagleforge.targets.sglang_launch import (
     TESTED_SGLANG_VERSION,
@@ -359,11 +359,7 @@ class SGLangTarget:
         """Aux and final hidden states of right-padded rows (zeros at padding). Packed rows
         and images are not supported. With a tp mesh every tp rank must call this (with its
         own micro-batch) in step."""
-        if pixel_values is not None or image_grid_thw is not None:
-            raise ConfigError(
-                "target=sglang runs text-only targets; a vision-language batch "
-                "(data.is_vlm=true) runs with target=hf."
-            )
+        refuse_images("sglang", pixel_values, image_grid_thw)
         if document_ids_BT is not None:
             raise ConfigError(
                 "target=sglang does not run packed rows (document_ids); set data.packing=false "
