@@ -37,7 +37,7 @@ from eagleforge.data.loader import make_loader
 from eagleforge.data.preprocess import DataReport, TokenizedDataset
 from eagleforge.data.split import build_datasets
 from eagleforge.data.vocab import cached_vocab_map
-from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
+from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftInit, Eagle3Draft
 from eagleforge.draft.ttt import TTTModule, step_weights
 from eagleforge.errors import ConfigError
 from eagleforge.formats.check import check_draft
@@ -278,6 +278,14 @@ def build_draft(config: EagleForgeConfig, inputs: Inputs, world: World) -> Eagle
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
     draft.load_embedding(target.input_embedding().detach().cpu())
     draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
+    if config.draft.init == DraftInit.logit_lens:
+        norm = target.final_norm_weight()
+        if norm is None:
+            raise ConfigError(
+                f"draft.init=logit_lens: target={config.target.backend.value} does not expose "
+                "the target's final norm; use draft.init=random."
+            )
+        draft.init_logit_lens(norm.detach().cpu(), target.lm_head_weight().detach())
     if config.model.draft_init:
         init_from(
             draft, Path(config.model.draft_init), target.config.get_text_config().num_hidden_layers

@@ -14,6 +14,7 @@ from transformers import LlamaConfig
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.errors import ConfigError
+from eagleforge.layers import RMSNorm
 from eagleforge.targets.config import SGLangConfig, TargetBackendKind, TargetConfig
 from eagleforge.targets.registry import build_target
 from eagleforge.targets.sglang import SGLangTarget
@@ -422,6 +423,7 @@ class _Runner:
         self.model.model = torch.nn.Module()
         self.model.model.embed_tokens = torch.nn.Embedding(128, 8)  # vocab 100, padded to 128
         self.model.lm_head = self.model.model.embed_tokens if tied else torch.nn.Embedding(128, 8)
+        self.model.model.norm = RMSNorm(8, 1e-6)
         self.max_total_num_tokens = 16
         self.model_config = type("SGLangModelConfig", (), {"context_len": 6})()
 
@@ -445,6 +447,7 @@ def test_embedding_and_lm_head_are_whole_vocab_matrices(tied: bool) -> None:
     assert torch.equal(target.input_embedding(), runner.model.model.embed_tokens.weight[:100])
     assert torch.equal(target.lm_head_weight(), runner.model.lm_head.weight[:100])
     assert (target.lm_head_weight() is target.input_embedding()) == tied
+    assert target.final_norm_weight() is runner.model.model.norm.weight  # draft.init=logit_lens
 
 
 def test_packed_rows_and_shifted_positions_are_refused() -> None:

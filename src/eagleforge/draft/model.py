@@ -38,6 +38,13 @@ class AttentionBackend(str, Enum):
     usp = "usp"  # sequence parallel over the sp ranks: Ulysses all-to-all + ring (offline)
 
 
+class DraftInit(str, Enum):
+    """How the draft's trainable weights start (see ``Eagle3Draft.init_logit_lens``)."""
+
+    random = "random"  # normal(0, init_std), as EAGLE-3 and SpecForge do
+    logit_lens = "logit_lens"  # the target's own prediction from its last aux layer
+
+
 @dataclass
 class DraftConfig:
     """The `draft` config section: what the user chooses about the draft head."""
@@ -57,6 +64,10 @@ class DraftConfig:
     intermediate_size: int | None = None
     # Std of the normal init of trainable weights (fc, attention, mlp, lm_head).
     init_std: float = 0.02
+    # random | logit_lens: start in the target's output space: fc passes the last aux layer's
+    # state, the draft layer adds nothing yet, norm and lm_head are the target's (the untrained
+    # draft repeats the target's lens prediction at the previous position; training moves it on).
+    init: DraftInit = DraftInit.random
     # Recompute each TTT step's MLP in backward instead of keeping its [T, intermediate]
     # activations: about 3% more step FLOPs for about 4 fewer such tensors per step.
     recompute_mlp: bool = True
@@ -304,6 +315,27 @@ class Eagle3Draft(nn.Module):
                     param.zero_()
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def init_logit_lens(self, final_norm_H: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
+        """Start as the target's logit lens at its last aux layer: ``fc`` passes that layer's
+        state through, the layer adds nothing (``o_proj`` and ``down_proj`` zero, the rest as
+        ``init_weights`` left it), and ``norm`` and ``lm_head`` are the target's final norm and
+        its lm_head rows of the draft vocabulary (``set_vocab_map`` first). At position t
+        the untrained draft then gives the target's lens prediction for x_{t+1}, the token it
+        is fed, not x_{t+2}: what it starts from is the target's hidden and output space."""
+        arch = self.arch
+        hidden = arch.hidden_size
+        if hidden != arch.target_hidden_size:
+            raise ValueError("a logit-lens draft needs the target's hidden size")
+        last = max(range(len(arch.aux_layer_ids)), key=arch.aux_layer_ids.__getitem__)
+        target_ids_W = self.draft_to_target_ids(torch.arange(arch.draft_vocab_size))
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, last * hidden : (last + 1) * hidden].copy_(torch.eye(hidden))
+            self.midlayer.self_attn.o_proj.weight.zero_()
+            self.midlayer.mlp.down_proj.weight.zero_()
+            self.norm.weight.copy_(final_norm_H.float())
+            self.lm_head.weight.copy_(lm_head_VH.float().cpu()[target_ids_W])
 
     def load_embedding(self, weight_VH: torch.Tensor) -> None:
         """Copy the target's input embedding (frozen during training)."""

@@ -61,6 +61,11 @@ class TargetBackend(Protocol):
         """The whole lm_head [V, H] the teacher is computed through (the embedding if tied)."""
         ...
 
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """The gain [H] of the RMSNorm before the lm_head; None where the backend cannot
+        reach it (``draft.init=logit_lens`` starts the draft from it)."""
+        ...
+
     def packing_blocker(self) -> str | None:
         """Why this target cannot run packed rows (several documents per row), or None."""
         ...

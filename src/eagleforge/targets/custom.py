@@ -378,6 +378,9 @@ class CustomTarget:
     def lm_head_weight(self) -> torch.Tensor:
         return self._lm_head_VH
 
+    def final_norm_weight(self) -> torch.Tensor | None:
+        return self.decoder.norm.weight  # whole on every rank
+
 
 def local_model_dir(model_dir: str | Path, revision: str | None) -> Path:
     """``model_dir`` itself, or a hub id's config and safetensors fetched into the HF cache."""

@@ -62,6 +62,7 @@ class HeadOnlyTarget:
             if getattr(text, "tie_word_embeddings", False)
             else _find_tensor(model_dir, "lm_head.weight")
         )
+        self._model_dir, self._device, self._dtype = model_dir, device, dtype
         self._embedding = embedding.to(device=device, dtype=dtype)
         self._lm_head = self._embedding if head is None else head.to(device=device, dtype=dtype)
 
@@ -79,3 +80,8 @@ class HeadOnlyTarget:
 
     def lm_head_weight(self) -> torch.Tensor:
         return self._lm_head
+
+    def final_norm_weight(self) -> torch.Tensor | None:
+        # the decoder's final norm (`model.norm.weight`): layers' norms end in `layernorm.weight`
+        norm = _find_tensor(self._model_dir, ".norm.weight")
+        return None if norm is None else norm.to(device=self._device, dtype=self._dtype)

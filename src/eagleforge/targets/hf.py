@@ -278,3 +278,7 @@ class HFTarget:
         if self._gathered is not None:
             return self._gathered[1]
         return self.model.get_output_embeddings().weight
+
+    def final_norm_weight(self) -> torch.Tensor | None:
+        norm = getattr(self.decoder, "norm", None)
+        return None if norm is None else full_weight(norm.weight)

@@ -432,3 +432,7 @@ class SGLangTarget:
 
     def lm_head_weight(self) -> torch.Tensor:
         return self._lm_head_VH
+
+    def final_norm_weight(self) -> torch.Tensor | None:
+        norm = getattr(getattr(self.runner.model, "model", None), "norm", None)
+        return None if norm is None else norm.weight  # replicated over tp ranks
