@@ -278,7 +278,11 @@ def build_draft(config: EagleForgeConfig, inputs: Inputs, world: World) -> Eagle
     draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
     draft.load_embedding(target.input_embedding().detach().cpu())
     draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
-    if config.draft.init == DraftInit.logit_lens:
+    if config.model.draft_init:  # every trainable weight comes from there: draft.init is moot
+        init_from(
+            draft, Path(config.model.draft_init), target.config.get_text_config().num_hidden_layers
+        )
+    elif config.draft.init == DraftInit.logit_lens:
         norm = target.final_norm_weight()
         if norm is None:
             raise ConfigError(
@@ -286,10 +290,6 @@ def build_draft(config: EagleForgeConfig, inputs: Inputs, world: World) -> Eagle
                 "the target's final norm; use draft.init=random."
             )
         draft.init_logit_lens(norm.detach().cpu(), target.lm_head_weight().detach())
-    if config.model.draft_init:
-        init_from(
-            draft, Path(config.model.draft_init), target.config.get_text_config().num_hidden_layers
-        )
     draft.to(world.device)
     apply_master_dtype(draft, config.optimizer)  # optimizer.fp32_master: fp32 or bf16 weights
     return draft

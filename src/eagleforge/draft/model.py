@@ -42,7 +42,7 @@ class DraftInit(str, Enum):
     """How the draft's trainable weights start (see ``Eagle3Draft.init_logit_lens``)."""
 
     random = "random"  # normal(0, init_std), as EAGLE-3 and SpecForge do
-    logit_lens = "logit_lens"  # the target's own prediction from its last aux layer
+    logit_lens = "logit_lens"  # the target's final norm and lm_head over its last aux layer
 
 
 @dataclass
@@ -67,6 +67,7 @@ class DraftConfig:
     # random | logit_lens: start in the target's output space: fc passes the last aux layer's
     # state, the draft layer adds nothing yet, norm and lm_head are the target's (the untrained
     # draft repeats the target's lens prediction at the previous position; training moves it on).
+    # With model.draft_init, that draft's weights are the start instead.
     init: DraftInit = DraftInit.random
     # Recompute each TTT step's MLP in backward instead of keeping its [T, intermediate]
     # activations: about 3% more step FLOPs for about 4 fewer such tensors per step.
@@ -327,15 +328,17 @@ class Eagle3Draft(nn.Module):
         hidden = arch.hidden_size
         if hidden != arch.target_hidden_size:
             raise ValueError("a logit-lens draft needs the target's hidden size")
-        last = max(range(len(arch.aux_layer_ids)), key=arch.aux_layer_ids.__getitem__)
+        last = arch.aux_layer_ids.index(max(arch.aux_layer_ids))  # its block of fc's input
         target_ids_W = self.draft_to_target_ids(torch.arange(arch.draft_vocab_size))
+        # the draft vocabulary's rows only: never a float copy of the whole [V, H] lm_head
+        rows_WH = lm_head_VH[target_ids_W.to(lm_head_VH.device)].float().cpu()
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, last * hidden : (last + 1) * hidden].copy_(torch.eye(hidden))
             self.midlayer.self_attn.o_proj.weight.zero_()
             self.midlayer.mlp.down_proj.weight.zero_()
             self.norm.weight.copy_(final_norm_H.float())
-            self.lm_head.weight.copy_(lm_head_VH.float().cpu()[target_ids_W])
+            self.lm_head.weight.copy_(rows_WH)
 
     def load_embedding(self, weight_VH: torch.Tensor) -> None:
         """Copy the target's input embedding (frozen during training)."""
