@@ -81,6 +81,7 @@ bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
 	$(OFFLINE) $(PY) benchmarks/feature_store.py --samples 2000 --hidden-size 1024 --json
 	$(OFFLINE) $(PY) benchmarks/target_forward.py --batch 4 --seq-len 512 --json
 	$(OFFLINE) $(PY) benchmarks/decode.py --prompts 4 --max-new-tokens 64 --json
+	$(OFFLINE) $(PY) benchmarks/regenerate.py --prompts 64 --batch-sizes 1,64 --json
 
 # The shared tracking server: the store of local runs (outputs/mlflow.db) served over HTTP.
 MLFLOW_HOST ?= 127.0.0.1

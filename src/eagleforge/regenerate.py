@@ -74,7 +74,7 @@ def hf_backend(cfg: RegenerateConfig, config: EagleForgeConfig) -> HFBackend:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     target = build_hf_target(config.model, config.target, model_dir, device)
-    torch.manual_seed(cfg.seed)  # generate() samples from the global generator
+    torch.manual_seed(cfg.seed)  # generate() and Magpie sampling draw from the global generator
     return HFBackend(cfg, target.model, tokenizer, device, hf_model_name(config.model))
 
 

@@ -19,6 +19,13 @@ from eagleforge.regeneration.backends import HFBackend
 from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
 from eagleforge.regeneration.output import write_lines_atomically
 from eagleforge.regeneration.rows import Generate, Row
+from eagleforge.targets.hf import kv_cache_argument
+
+# Nucleus sampling draws from the top NUCLEUS_CANDIDATES tokens of each row: transformers'
+# top-p sorts the whole vocabulary of every row at every step, which on a CPU costs more than
+# the forward of a small target (49k-token vocab, batch 128). A nucleus wider than this is cut
+# to it, with probabilities still normalised over the full vocabulary.
+NUCLEUS_CANDIDATES = 256
 
 
 @torch.no_grad()
@@ -28,6 +35,7 @@ def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
     header = user_header(backend.tokenizer)
     ids = backend.tokenizer(header, return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids.to(backend.device).expand(backend.cfg.batch_size, -1)
+    stop_ids = torch.tensor(sorted(backend.stop_ids), device=backend.device)
     prompts: dict[str, None] = {}  # insertion-ordered set
     tries, max_tries = 0, 4 * count + 4 * backend.cfg.batch_size
     bar = tqdm(total=count, unit="prompt", desc="magpie prompts")
@@ -38,18 +46,9 @@ def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
                 f"prompts in {tries} tries; raise regenerate.magpie.max_new_tokens or "
                 "temperature, or ask for fewer."
             )
-        output = backend.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=cfg.max_new_tokens,
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=None,
-            pad_token_id=backend.tokenizer.pad_token_id,
-        )
+        output = sample_continuations(backend.model, ids, cfg, stop_ids)
         tries += len(ids)
-        for row in output[:, ids.shape[1] :].tolist():
+        for row in output.tolist():
             end = next((i for i, t in enumerate(row) if t in backend.stop_ids), None)
             text = "" if end is None else backend.tokenizer.decode(row[:end]).strip()
             if text and text not in prompts and len(prompts) < count:
@@ -57,6 +56,41 @@ def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
                 bar.update()
     bar.close()
     return list(prompts)
+
+
+def sample_continuations(
+    model: Any, ids_BT: torch.Tensor, cfg: MagpieConfig, stop_ids: torch.Tensor
+) -> torch.Tensor:
+    """[B, ≤ max_new_tokens] tokens continuing the unpadded rows ``ids_BT``, by nucleus
+    sampling from the global generator; stops once every row holds a stop token (what a row
+    writes after its first one is noise, cut by the caller)."""
+    from transformers import DynamicCache
+
+    cache = {kv_cache_argument(model): DynamicCache(config=model.config)}
+    logits_BV = model(input_ids=ids_BT, use_cache=True, **cache).logits[:, -1]
+    ended_B = torch.zeros(len(ids_BT), dtype=torch.bool, device=ids_BT.device)
+    tokens: list[torch.Tensor] = []
+    for _ in range(cfg.max_new_tokens):
+        token_B = nucleus_sample(logits_BV, cfg.temperature, cfg.top_p)
+        tokens.append(token_B)
+        ended_B |= torch.isin(token_B, stop_ids)
+        if bool(ended_B.all()):
+            break
+        logits_BV = model(input_ids=token_B[:, None], use_cache=True, **cache).logits[:, -1]
+    return torch.stack(tokens, dim=1)
+
+
+def nucleus_sample(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row: from the smallest set of most likely tokens holding ``top_p`` of
+    the probability at ``temperature`` (at most NUCLEUS_CANDIDATES of them)."""
+    logits_BV = logits_BV.float() / temperature
+    top_BK = logits_BV.topk(min(NUCLEUS_CANDIDATES, logits_BV.shape[-1]), dim=-1)
+    probs_BK = (top_BK.values - logits_BV.logsumexp(dim=-1, keepdim=True)).exp()
+    # keep a candidate while the mass before it is below top_p (the most likely one always)
+    before_BK = probs_BK.cumsum(dim=-1) - probs_BK
+    probs_BK = probs_BK.masked_fill(before_BK >= top_p, 0.0)
+    pick_B = torch.multinomial(probs_BK, 1)
+    return top_BK.indices.gather(-1, pick_B)[:, 0]
 
 
 def user_header(tokenizer: Any) -> str:

@@ -11,7 +11,6 @@ position + 1 - its length, as Qwen2.5-VL's own generation continues after an ima
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError
-from eagleforge.targets.hf import HFTarget
+from eagleforge.targets.hf import HFTarget, kv_cache_argument
 
 # Shape suffixes: M new positions, S key positions, V target vocab, W draft vocab,
 # H draft hidden, A aux width, K kv heads, D head dim. Positions are [M] (plain RoPE) or
@@ -57,9 +56,7 @@ class TargetRunner:
         self.device = target.model.device
         self.cache: Any = None
         self.forwards = 0
-        # transformers renamed ``past_key_values`` to ``cache`` during 5.x
-        parameters = inspect.signature(target.model.forward).parameters
-        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.cache_argument = kv_cache_argument(target.model)
 
     def reset(self) -> None:
         from transformers import DynamicCache

@@ -15,6 +15,7 @@ positions it computes (``get_rope_index``) are returned for the draft. No tp for
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,13 @@ from eagleforge.targets.source import checked_aux_layer_ids
 # Vision-language targets whose M-RoPE (contiguous time/height/width sections) the draft
 # implements.
 MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+
+
+def kv_cache_argument(model: Any) -> str:
+    """The forward keyword that takes a KV cache: transformers renamed ``past_key_values`` to
+    ``cache`` during 5.x."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _decoder(model: Any) -> Any:

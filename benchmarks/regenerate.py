@@ -1,0 +1,140 @@
+"""Regeneration on the bundled SmolLM2-135M (hf backend): how fast the target writes Magpie
+prompts and answers them, batched against one at a time.
+
+    python benchmarks/regenerate.py --prompts 128 --batch-sizes 1,32,128 --json
+
+Two parts, each timed once (after one short warm-up generation):
+- **prompts**: Magpie's nucleus sampling from the user header (``sample_continuations``, the
+  top 256 tokens a row) against transformers' ``generate(do_sample=True, top_p=...)``, which
+  sorts the whole vocabulary of every row at every step; one batch of ``--prompts`` rows.
+- **answers**: the hf backend answering the same prompts, ``--batch-sizes`` at a time (a
+  batch of 1 answers only the first ``--single-prompts``, as it is slow).
+
+Tokens are counted up to each row's end (what lands in the data), so padding and rows that
+run on after their end cost time but count nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagleforge.regeneration.backends import HFBackend
+from eagleforge.regeneration.config import Backend, MagpieConfig, RegenerateConfig
+from eagleforge.regeneration.magpie import sample_continuations, user_header
+from eagleforge.targets.source import bundled_smollm2_dir
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=128, help="Magpie rows sampled together")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="magpie.max_new_tokens")
+    p.add_argument("--batch-sizes", default="1,32,128", help="answer batch sizes to compare")
+    p.add_argument("--answer-tokens", type=int, default=160, help="regenerate.max_new_tokens")
+    p.add_argument("--single-prompts", type=int, default=4, help="prompts answered at batch 1")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "eagleforge"))
+    p.add_argument("--json", action="store_true")
+    return p.parse_args()
+
+
+def ended_lengths(rows: list[list[int]], stop_ids: set[int]) -> list[int | None]:
+    """Tokens before each row's first stop token (None: the row never ended)."""
+    return [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    model_dir = bundled_smollm2_dir(args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    model.eval()
+    magpie = MagpieConfig(max_new_tokens=args.prompt_tokens)
+    cfg = RegenerateConfig(backend=Backend.hf, max_new_tokens=args.answer_tokens)
+    backend = HFBackend(cfg, model, tokenizer, torch.device("cpu"), "smollm2")
+    stop = torch.tensor(sorted(backend.stop_ids))
+    header = tokenizer(user_header(tokenizer), return_tensors="pt", add_special_tokens=False)
+    ids = header.input_ids.expand(args.prompts, -1)
+    table: list[dict[str, object]] = []
+
+    samplers = {
+        "transformers generate, top_p": lambda: model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=magpie.max_new_tokens,
+            do_sample=True,
+            temperature=magpie.temperature,
+            top_p=magpie.top_p,
+            top_k=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, ids.shape[1] :],
+        "magpie nucleus (top 256)": lambda: sample_continuations(model, ids, magpie, stop),
+    }
+    prompts: list[str] = []
+    with torch.no_grad():
+        model.generate(
+            ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=8
+        )  # warm-up
+        for name, sample in samplers.items():
+            start = time.perf_counter()
+            rows = sample().tolist()
+            seconds = time.perf_counter() - start
+            ends = ended_lengths(rows, backend.stop_ids)
+            tokens = sum(e for e in ends if e is not None)
+            table.append(
+                {
+                    "part": "prompts",
+                    "how": name,
+                    "batch": args.prompts,
+                    "seconds": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "ended": sum(e is not None for e in ends) / len(ends),
+                }
+            )
+            if not prompts:
+                prompts = [
+                    tokenizer.decode(r[:e]).strip() for r, e in zip(rows, ends, strict=True) if e
+                ]
+
+    histories = [[{"role": "user", "content": p}] for p in prompts]
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        cfg.batch_size = batch
+        todo = histories[: args.single_prompts] if batch == 1 else histories
+        start = time.perf_counter()
+        replies = backend(todo)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(tokenizer(r.content).input_ids) for r in replies)  # type: ignore[union-attr]
+        table.append(
+            {
+                "part": "answers",
+                "how": f"hf backend, batches of {batch}",
+                "batch": batch,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "ended": None,
+            }
+        )
+
+    # the ratio is against each part's first row: transformers' sampling, a batch of 1
+    base = {row["part"]: row["tokens_per_s"] for row in reversed(table)}
+    print(f"{'part':8} {'how':34} {'seconds':>8} {'tokens/s':>9} {'x':>6}")
+    for row in table:
+        ratio = float(row["tokens_per_s"]) / float(base[row["part"]])  # type: ignore[arg-type]
+        row["ratio"] = ratio
+        print(
+            f"{row['part']:8} {row['how']:34} {row['seconds']:8.1f} "
+            f"{row['tokens_per_s']:9.1f} {ratio:6.2f}"
+        )
+    if args.json:
+        print(json.dumps({"benchmark": "regenerate", "dtype": args.dtype, "rows": table}))
+
+
+if __name__ == "__main__":
+    main()
