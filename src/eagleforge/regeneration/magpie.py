@@ -58,6 +58,7 @@ def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
     return list(prompts)
 
 
+@torch.no_grad()
 def sample_continuations(
     model: Any, ids_BT: torch.Tensor, cfg: MagpieConfig, stop_ids: torch.Tensor
 ) -> torch.Tensor:
