@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagleforge.regeneration.backends import HFBackend
 from eagleforge.regeneration.config import Backend, MagpieConfig, RegenerateConfig
-from eagleforge.regeneration.magpie import sample_continuations, user_header
+from eagleforge.regeneration.magpie import first_stop, sample_continuations, user_header
 from eagleforge.targets.source import bundled_smollm2_dir
 
 
@@ -43,11 +43,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def ended_lengths(rows: list[list[int]], stop_ids: set[int]) -> list[int | None]:
-    """Tokens before each row's first stop token (None: the row never ended)."""
-    return [next((i for i, t in enumerate(row) if t in stop_ids), None) for row in rows]
-
-
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
@@ -59,7 +54,6 @@ def main() -> None:
     magpie = MagpieConfig(max_new_tokens=args.prompt_tokens)
     cfg = RegenerateConfig(backend=Backend.hf, max_new_tokens=args.answer_tokens)
     backend = HFBackend(cfg, model, tokenizer, torch.device("cpu"), "smollm2")
-    stop = torch.tensor(sorted(backend.stop_ids))
     header = tokenizer(user_header(tokenizer), return_tensors="pt", add_special_tokens=False)
     ids = header.input_ids.expand(args.prompts, -1)
     table: list[dict[str, object]] = []
@@ -75,7 +69,9 @@ def main() -> None:
             top_k=None,
             pad_token_id=tokenizer.pad_token_id,
         )[:, ids.shape[1] :],
-        "magpie nucleus (top 256)": lambda: sample_continuations(model, ids, magpie, stop),
+        "magpie nucleus (top 256)": lambda: sample_continuations(
+            model, ids, magpie, backend.stop_ids
+        ),
     }
     prompts: list[str] = []
     with torch.no_grad():
@@ -86,7 +82,7 @@ def main() -> None:
             start = time.perf_counter()
             rows = sample().tolist()
             seconds = time.perf_counter() - start
-            ends = ended_lengths(rows, backend.stop_ids)
+            ends = [first_stop(row, backend.stop_ids) for row in rows]
             tokens = sum(e for e in ends if e is not None)
             table.append(
                 {
@@ -123,7 +119,9 @@ def main() -> None:
         )
 
     # the ratio is against each part's first row: transformers' sampling, a batch of 1
-    base = {row["part"]: row["tokens_per_s"] for row in reversed(table)}
+    base: dict[object, object] = {}
+    for row in table:
+        base.setdefault(row["part"], row["tokens_per_s"])
     print(f"{'part':8} {'how':34} {'seconds':>8} {'tokens/s':>9} {'x':>6}")
     for row in table:
         ratio = float(row["tokens_per_s"]) / float(base[row["part"]])  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ def test_sampling_stops_when_every_row_has_ended() -> None:
     model = CountingModel()
     prompts = torch.tensor([[5], [7]])
     cfg = MagpieConfig(max_new_tokens=10)
-    out = sample_continuations(model, prompts, cfg, stop_ids=torch.tensor([9]))
+    out = sample_continuations(model, prompts, cfg, stop_ids={9})
     # row 0 writes 6, 7, 8, 9 (ended); row 1 ended at its second token
     assert out.tolist() == [[6, 7, 8, 9], [8, 9, 10, 11]]
     assert model.calls == 4  # the prefill and one forward per token before the last

@@ -35,7 +35,6 @@ def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
     header = user_header(backend.tokenizer)
     ids = backend.tokenizer(header, return_tensors="pt", add_special_tokens=False).input_ids
     ids = ids.to(backend.device).expand(backend.cfg.batch_size, -1)
-    stop_ids = torch.tensor(sorted(backend.stop_ids), device=backend.device)
     prompts: dict[str, None] = {}  # insertion-ordered set
     tries, max_tries = 0, 4 * count + 4 * backend.cfg.batch_size
     bar = tqdm(total=count, unit="prompt", desc="magpie prompts")
@@ -46,10 +45,10 @@ def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
                 f"prompts in {tries} tries; raise regenerate.magpie.max_new_tokens or "
                 "temperature, or ask for fewer."
             )
-        output = sample_continuations(backend.model, ids, cfg, stop_ids)
+        output = sample_continuations(backend.model, ids, cfg, backend.stop_ids)
         tries += len(ids)
         for row in output.tolist():
-            end = next((i for i, t in enumerate(row) if t in backend.stop_ids), None)
+            end = first_stop(row, backend.stop_ids)
             text = "" if end is None else backend.tokenizer.decode(row[:end]).strip()
             if text and text not in prompts and len(prompts) < count:
                 prompts[text] = None
@@ -60,13 +59,14 @@ def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
 
 @torch.no_grad()
 def sample_continuations(
-    model: Any, ids_BT: torch.Tensor, cfg: MagpieConfig, stop_ids: torch.Tensor
+    model: Any, ids_BT: torch.Tensor, cfg: MagpieConfig, stop_ids: set[int]
 ) -> torch.Tensor:
     """[B, ≤ max_new_tokens] tokens continuing the unpadded rows ``ids_BT``, by nucleus
     sampling from the global generator; stops once every row holds a stop token (what a row
     writes after its first one is noise, cut by the caller)."""
     from transformers import DynamicCache
 
+    stop_tokens = torch.tensor(sorted(stop_ids), device=ids_BT.device)
     cache = {kv_cache_argument(model): DynamicCache(config=model.config)}
     logits_BV = model(input_ids=ids_BT, use_cache=True, **cache).logits[:, -1]
     ended_B = torch.zeros(len(ids_BT), dtype=torch.bool, device=ids_BT.device)
@@ -74,11 +74,16 @@ def sample_continuations(
     for _ in range(cfg.max_new_tokens):
         token_B = nucleus_sample(logits_BV, cfg.temperature, cfg.top_p)
         tokens.append(token_B)
-        ended_B |= torch.isin(token_B, stop_ids)
+        ended_B |= torch.isin(token_B, stop_tokens)
         if bool(ended_B.all()):
             break
         logits_BV = model(input_ids=token_B[:, None], use_cache=True, **cache).logits[:, -1]
     return torch.stack(tokens, dim=1)
+
+
+def first_stop(row: list[int], stop_ids: set[int]) -> int | None:
+    """Tokens before the row's first stop token (None: the row never ended)."""
+    return next((i for i, t in enumerate(row) if t in stop_ids), None)
 
 
 def nucleus_sample(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
