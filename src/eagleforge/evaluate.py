@@ -5,6 +5,12 @@
         eval.topk=4 eval.total_draft_tokens=16 eval.temperature=0.7
     python -m eagleforge.evaluate +model=qwen2_5_vl eval.draft=DRAFT eval.prompts=/data/vlm.jsonl
     python -m eagleforge.evaluate +model=smollm2 eval.draft=DRAFT eval.prompts=[mtbench,gsm8k]
+    python -m eagleforge.evaluate +model=smollm2 eval.draft=DRAFT eval.engine=[hf,vllm] \
+        model.dtype=float32 eval.sweep=[1/1/2,3/1/4]
+
+``eval.engine=vllm`` has the real vLLM engine (its own environment, ``make vllm``) serve the
+target with the draft, exported to vLLM's format first; ``[hf,vllm]`` decodes the same prompts
+with eagleforge's decoder and with vLLM and puts both in one table (docs/serving.md).
 
 A vision-language target (``data.is_vlm``) reads prompts with images (docs/vlm.md) and decodes
 with its M-RoPE positions.
@@ -18,8 +24,11 @@ give one table and one plot across them.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import shutil
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +40,25 @@ from tqdm.auto import tqdm
 from eagleforge.checkpoint import load_draft_weights
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.draft.model import Eagle3Draft
+from eagleforge.engine.config import EngineDType
+from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.export import export
 from eagleforge.formats.check import load_checked_draft
+from eagleforge.formats.config import ExportConfig
+from eagleforge.formats.kinds import DraftFormat
 from eagleforge.formats.read import read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
+from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import DecodeResult, SpeculativeDecoder, eos_ids
+from eagleforge.speculative.engine_judge import (
+    EngineRun,
+    run_engine,
+    speculative_config,
+    summarise_engine,
+    unsupported_setting,
+)
 from eagleforge.speculative.prompts import (
     PromptRenderer,
     PromptSet,
@@ -57,7 +79,12 @@ from eagleforge.speculative.report import (
 )
 from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.registry import build_hf_target
-from eagleforge.targets.source import load_processor, load_tokenizer, resolve_model_dir
+from eagleforge.targets.source import (
+    ModelConfig,
+    load_processor,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from eagleforge.tracking import Tracker, build_tracker, flatten
 
 log = logging.getLogger("eagleforge.evaluate")
@@ -234,6 +261,130 @@ def report_sets(summaries: list[Summary], eval_dir: Path, tracker: Tracker) -> N
     tracker.log_artifact(plot_tau_by_set(summaries, eval_dir / "tau_by_set.png"))
 
 
+def engine_dtype(config: EagleForgeConfig) -> str:
+    """The dtype the vLLM engine runs in: vllm.dtype, or the target's model.dtype (``auto``
+    as this machine's default: bf16 on CUDA, fp32 on a CPU, as eagleforge's own target)."""
+    if config.vllm.dtype != EngineDType.model:
+        return config.vllm.dtype.value
+    device = resolve_device(config.parallel)
+    return str(config.model.dtype.torch_dtype(device)).removeprefix("torch.")
+
+
+def model_eos_ids(tokenizer: Any, model: ModelConfig, model_dir: Path | str) -> set[int]:
+    """The ids that end an answer, from the tokenizer and the model's generation config
+    (``eos_ids`` without loading the model)."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    try:
+        configured = GenerationConfig.from_pretrained(
+            model_dir, revision=model.revision
+        ).eos_token_id
+    except OSError:  # no generation_config.json
+        configured = None
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {int(i) for i in ids if i is not None}
+
+
+def vllm_settings(settings: list[DecodeSettings]) -> list[DecodeSettings]:
+    """The settings vLLM can decode; each one it cannot is named on the console."""
+    runnable = []
+    for setting in settings:
+        why = unsupported_setting(setting)
+        if why:
+            print(f"eval.engine=vllm: skipping {why}.", flush=True)
+        else:
+            runnable.append(setting)
+    return runnable
+
+
+def export_for_vllm(draft: Path, out: Path) -> Path:
+    """The draft in vLLM's format (aux layer ids +1), written, read back and checked."""
+    if out.exists():  # an earlier evaluation into this run directory
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return export(ExportConfig(draft=str(draft), format=DraftFormat.vllm, output_dir=str(out)))
+
+
+def evaluate_with_vllm(
+    config: EagleForgeConfig,
+    drafts: list[tuple[int, Path]],
+    settings: list[DecodeSettings],
+    sets: list[PromptSet],
+    renderer: PromptRenderer,
+    eos: set[int],
+    model_dir: Path | str,
+    tracker: Tracker,
+) -> list[Summary]:
+    """Every draft and chain setting served by vLLM, against vLLM serving the target alone
+    (decoded once per prompt set, before the drafts: the same for every setting)."""
+    ecfg, output_dir = config.eval, Path(config.output_dir)
+    dtype, logs = engine_dtype(config), output_dir / "vllm"
+    # every pass is timed on its own prompts: a prefix cache would skip the second's prefill
+    extra = config.vllm.extra_args
+    vcfg = replace(config.vllm, extra_args=[*extra, "--no-enable-prefix-caching"])
+    # baselines are greedy-only reusable; sampled ones still show the target-alone speed
+    reference = settings[0]
+    baselines: dict[str, EngineRun] = {}
+    summaries: list[Summary] = []
+    with stop_on_signals():
+        if ecfg.baseline:
+            with VLLMServer(
+                vcfg, model_dir, logs / "target.log", dtype, name="vLLM (target alone)"
+            ) as server:
+                for prompt_set in sets:
+                    baselines[prompt_set.name] = run_engine(
+                        server.client(), prompt_set, renderer, reference, eos,
+                        ecfg.engine_batch, config.seed, speculative=False,
+                    )  # fmt: skip
+        for step, path in drafts:
+            exported = export_for_vllm(path, logs / "drafts" / path.name)
+            for setting in settings:
+                label = setting.label.replace("/", "-")
+                with VLLMServer(
+                    vcfg, model_dir, logs / f"{path.name}-{label}.log", dtype,
+                    speculative=speculative_config(exported, setting),
+                    name=f"vLLM ({path.name}, {setting.label})",
+                ) as server:  # fmt: skip
+                    for prompt_set in sets:
+                        run = run_engine(
+                            server.client(), prompt_set, renderer, setting, eos,
+                            ecfg.engine_batch, config.seed, speculative=True,
+                        )  # fmt: skip
+                        summary = summarise_engine(
+                            str(path), prompt_set, setting, run,
+                            baselines.get(prompt_set.name), ecfg.engine_batch,
+                        )  # fmt: skip
+                        report_engine_summary(summary, output_dir, step, tracker, len(sets) > 1)
+                        summaries.append(summary)
+    return summaries
+
+
+def report_engine_summary(
+    summary: Summary, output_dir: Path, step: int, tracker: Tracker, several_sets: bool
+) -> None:
+    """The table of one vLLM measurement, its summary.json under eval/<draft>/vllm/<setting>/
+    (<set>/), and its metrics eval/vllm/[<set>/]<setting>/..."""
+    print(table(summary), flush=True)
+    setting = summary.setting.replace("/", "-")
+    parts = [summary.prompt_set] * several_sets + [setting]
+    out = Path(output_dir, "eval", Path(summary.draft).name, "vllm", *parts)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    plot_acceptance(summary, out / "acceptance.png")
+    scope = "/".join(["eval", "vllm", *parts])
+    metrics = {
+        f"{scope}/tau": summary.tau,
+        f"{scope}/tokens_per_s": summary.tokens_per_s,
+        **{f"{scope}/accept_pos_{j + 1}": r for j, r in enumerate(summary.acceptance_by_position)},
+    }
+    for name, value in (("speedup", summary.speedup), ("batch_speedup", summary.batch_speedup)):
+        if value is not None:
+            metrics[f"{scope}/{name}"] = value
+    tracker.log_metrics(metrics, step=step)
+    tracker.log_artifact(out)
+
+
 def run(cfg: DictConfig) -> list[Summary]:
     config = to_typed(cfg)
     if not config.eval.draft:
@@ -242,8 +393,24 @@ def run(cfg: DictConfig) -> list[Summary]:
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)
     check_inputs(config, data=False, prompts=True, tracking=True)
-    # every prompt set is read before the model loads: a set the hub cannot give costs a line
     ecfg = config.eval
+    engines = ecfg.engines()
+    settings = ecfg.decode_settings()
+    engine_settings: list[DecodeSettings] = []
+    if "vllm" in engines:
+        if config.vllm.url:
+            raise ConfigError(
+                "eval.engine=vllm starts its own engines (the target alone, then one per draft "
+                "and chain length), so it cannot use vllm.url; unset vllm.url."
+            )
+        engine_python(config.vllm)  # a missing engine costs a line, before any model loads
+        engine_settings = vllm_settings(settings)
+        if not engine_settings:
+            raise ConfigError(
+                "eval.engine=vllm: none of the decoding settings is a chain (steps/1/steps+1); "
+                "add one, e.g. eval.sweep=[3/1/4], or use eval.engine=hf for trees."
+            )
+    # every prompt set is read before the model loads: a set the hub cannot give costs a line
     sets = load_prompt_sets(
         ecfg.prompt_sets(), ecfg.multi_turn, ecfg.max_prompts, config.data.is_vlm
     )
@@ -251,13 +418,15 @@ def run(cfg: DictConfig) -> list[Summary]:
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data
     if data.is_vlm:  # prompts with images, rendered and processed as training does
+        if "vllm" in engines:
+            raise ConfigError(
+                "eval.engine=vllm decodes text prompts; a vision-language target "
+                "(data.is_vlm) is evaluated with eval.engine=hf."
+            )
         processor = load_processor(config.model, model_dir, data.min_pixels, data.max_pixels)
         renderer = PromptRenderer(None, processor, data.min_pixels, data.max_pixels)
     else:
         renderer = PromptRenderer(load_tokenizer(config.model, model_dir))
-    target = build_hf_target(
-        config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
-    )
     output_dir = Path(config.output_dir)
     tracker = build_tracker(
         config.tracker,
@@ -269,26 +438,40 @@ def run(cfg: DictConfig) -> list[Summary]:
     tracker.log_config(flatten(container), OmegaConf.to_yaml(cfg))  # type: ignore[arg-type]
     summaries: list[Summary] = []
     tau_by_step: dict[str, list[tuple[int, float]]] = {}
-    settings = ecfg.decode_settings()
     sweep = len(settings) > 1
-    # greedy decoding by the target alone is the same for every setting: decoded once
-    baselines: Baselines | None = {} if ecfg.temperature == 0 else None
-    for step, path in drafts:
-        draft = load_draft(path, target, device)
-        for setting in settings:
-            decoder = SpeculativeDecoder(
-                target, draft, setting, eos_ids(renderer.tokenizer, target)
-            )
-            for summary in evaluate_sets(
-                config, decoder, renderer, path, step, sets, device, tracker, baselines, sweep
-            ):
-                series = f"{summary.prompt_set} {summary.setting}" if sweep else summary.prompt_set
-                tau_by_step.setdefault(series, []).append((step, summary.tau))
-                summaries.append(summary)
+    if "hf" in engines:
+        target = build_hf_target(
+            config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
+        )
+        eos = eos_ids(renderer.tokenizer, target)
+        # greedy decoding by the target alone is the same for every setting: decoded once
+        baselines: Baselines | None = {} if ecfg.temperature == 0 else None
+        for step, path in drafts:
+            draft = load_draft(path, target, device)
+            for setting in settings:
+                decoder = SpeculativeDecoder(target, draft, setting, eos)
+                for summary in evaluate_sets(
+                    config, decoder, renderer, path, step, sets, device, tracker, baselines, sweep
+                ):
+                    series = (
+                        f"{summary.prompt_set} {summary.setting}" if sweep else summary.prompt_set
+                    )
+                    tau_by_step.setdefault(series, []).append((step, summary.tau))
+                    summaries.append(summary)
+        del target, draft
+    else:
+        eos = model_eos_ids(renderer.tokenizer, config.model, model_dir)
+    if "vllm" in engines:
+        summaries += evaluate_with_vllm(
+            config, drafts, engine_settings, sets, renderer, eos, model_dir, tracker
+        )
     eval_dir = output_dir / "eval"
-    if len(drafts) > 1:
+    if len(drafts) > 1 and "hf" in engines:
         tracker.log_artifact(plot_tau_by_step(tau_by_step, eval_dir / "tau_by_step.png"))
-    if len(sets) > 1 or sweep:
+    if len(sets) > 1 or sweep or len(engines) > 1:
+        # one row per draft, set and setting, the engines of each side by side
+        order = {name: i for i, name in enumerate(engines)}
+        summaries.sort(key=lambda s: (s.draft, s.prompt_set, s.setting, order[s.engine]))
         report_sets(summaries, eval_dir, tracker)
     tracker.close()
     log.info("evaluation written to %s", eval_dir)

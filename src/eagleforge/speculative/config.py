@@ -9,6 +9,8 @@ from typing import Any
 
 from eagleforge.errors import ConfigError
 
+ENGINES = ("hf", "vllm")
+
 
 @dataclass
 class EvalConfig:
@@ -47,9 +49,18 @@ class EvalConfig:
     # Also time transformers' own generate on the same prompts (greedy text targets): the
     # target-alone loop's speed beside it.
     hf_generate: bool = False
+    # Who decodes: hf (eagleforge's own decoder, the target in this process), vllm (the vLLM
+    # engine serves the target with the draft; chains only), or [hf,vllm] (both, side by side).
+    # str | list[str], typed Any as `prompts` is.
+    engine: Any = "hf"
+    # vllm: prompts in flight at once for the batched speed (1 = concurrency 1 only).
+    engine_batch: int = 8
 
     def __post_init__(self) -> None:
         self.prompt_sets()  # raises ConfigError for anything but a name or a list of names
+        self.engines()  # raises ConfigError for an unknown engine
+        if self.engine_batch < 1:
+            raise ConfigError(f"eval.engine_batch must be >= 1, got {self.engine_batch}.")
         for name in ("max_new_tokens", "num_draft_tokens", "topk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"eval.{name} must be >= 1, got {getattr(self, name)}.")
@@ -82,6 +93,18 @@ class EvalConfig:
         if duplicates:
             raise ConfigError(f"eval.prompts names {', '.join(duplicates)} twice; list each once.")
         return list(sets)
+
+    def engines(self) -> list[str]:
+        """``engine`` as a list (``eval.engine=vllm`` and ``eval.engine=[hf,vllm]`` alike)."""
+        engines = [self.engine] if isinstance(self.engine, str) else self.engine
+        if (
+            not isinstance(engines, list | tuple)
+            or not engines
+            or any(e not in ENGINES for e in engines)
+            or len(set(engines)) < len(engines)
+        ):
+            raise ConfigError(f"eval.engine must be hf, vllm or [hf,vllm], got {self.engine!r}.")
+        return list(engines)
 
     def decode_settings(self) -> list[DecodeSettings]:
         """The settings to decode with: each entry of ``sweep``, or the one of the fields."""

@@ -42,6 +42,13 @@ class Summary:
     prompt_source: str = ""  # where that set's rows came from: a hub id, a file
     setting: str = ""  # the decoding, as SGLang's steps/topk/tokens (3/1/4: a chain of 3)
     hf_generate_tokens_per_s: float | None = None  # transformers' generate (eval.hf_generate)
+    engine: str = "hf"  # who decoded: eagleforge's decoder (hf) or the vLLM engine (vllm)
+    # vllm: the same prompts with eval.engine_batch of them in flight at once
+    batch_size: int | None = None
+    batch_tokens_per_s: float | None = None
+    batch_baseline_tokens_per_s: float | None = None
+    batch_speedup: float | None = None
+    batch_outputs_equal: int | None = None  # greedy outputs equal to the target alone's, batched
 
 
 def _speed(results: list[DecodeResult | None]) -> float | None:
@@ -99,6 +106,7 @@ def table(summary: Summary) -> str:
 
     rows = [
         ("draft", summary.draft),
+        ("engine", summary.engine),
         (
             "prompt set",
             f"{summary.prompt_set} ({summary.prompt_source})" if summary.prompt_set else "-",
@@ -121,6 +129,23 @@ def table(summary: Summary) -> str:
             "-" if summary.greedy_matches_target is None else str(summary.greedy_matches_target),
         ),
     ]
+    if summary.batch_size is not None:
+        equal = summary.batch_outputs_equal
+        rows += [
+            (
+                f"tokens/s speculative, {summary.batch_size} at once",
+                fmt(summary.batch_tokens_per_s, ".1f"),
+            ),
+            (
+                f"tokens/s target alone, {summary.batch_size} at once",
+                fmt(summary.batch_baseline_tokens_per_s, ".1f"),
+            ),
+            (f"speedup, {summary.batch_size} at once", fmt(summary.batch_speedup, ".2f")),
+            (
+                f"greedy outputs = target's, {summary.batch_size} at once",
+                "-" if equal is None else f"{equal} of {summary.num_turns}",
+            ),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -196,6 +221,7 @@ SET_COLUMNS: list[tuple[str, Callable[[Summary], object]]] = [
     ("draft", lambda s: Path(s.draft).name),
     ("prompt set", lambda s: s.prompt_set),
     ("decoding", lambda s: s.setting),
+    ("engine", lambda s: s.engine),
     ("turns", lambda s: s.num_turns),
     ("tau", lambda s: round(s.tau, 3)),
     ("accept pos 1", lambda s: round(s.acceptance_by_position[0], 3)),
@@ -204,6 +230,7 @@ SET_COLUMNS: list[tuple[str, Callable[[Summary], object]]] = [
     ("tokens/s generate", lambda s: _round(s.hf_generate_tokens_per_s, 1)),
     ("speedup", lambda s: _round(s.speedup, 2)),
     ("greedy = target", lambda s: s.greedy_matches_target),
+    ("speedup batched", lambda s: _round(s.batch_speedup, 2)),
     ("source", lambda s: s.prompt_source),
 ]
 

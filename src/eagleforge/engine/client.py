@@ -1,0 +1,184 @@
+"""Talking to a vLLM server: completions of token-id prompts (one, or many at once), and the
+engine's own speculative-decoding counters from its Prometheus ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from eagleforge.errors import EagleForgeError
+
+if TYPE_CHECKING:
+    from eagleforge.engine.server import VLLMServer
+
+# the name eagleforge serves its target under (--served-model-name)
+SERVED_NAME = "target"
+
+
+class EngineRequestError(EagleForgeError):
+    """A request to the engine failed; the message names the URL (and the engine's log)."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    finish_reason: str | None
+    seconds: float  # wall time of this request alone
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters (``vllm:spec_decode_*_total``)."""
+
+    drafts: float = 0.0  # verification rounds that carried drafts
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0.0] * (width - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + [0.0] * (width - len(other.accepted_per_position))
+        return SpecCounters(
+            self.drafts - other.drafts,
+            self.draft_tokens - other.draft_tokens,
+            self.accepted_tokens - other.accepted_tokens,
+            [a - b for a, b in zip(mine, theirs, strict=True)],
+        )
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification round, the target's own one included (vLLM's τ)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft j accepted | drafts before it were), as eagleforge's decoder reports it."""
+        reached = [self.drafts, *self.accepted_per_position]
+        return [
+            reached[j + 1] / reached[j] if reached[j] else 0.0
+            for j in range(len(self.accepted_per_position))
+        ]
+
+
+_METRIC = re.compile(r"^vllm:spec_decode_(\w+?)_total\{([^}]*)\}\s+([0-9.eE+-]+)$")
+
+
+def parse_spec_counters(text: str) -> SpecCounters:
+    """The counters of a Prometheus text page (engines summed)."""
+    counters = SpecCounters()
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        match = _METRIC.match(line.strip())
+        if not match:
+            continue
+        name, labels, value = match.group(1), match.group(2), float(match.group(3))
+        if name == "num_drafts":
+            counters.drafts += value
+        elif name == "num_draft_tokens":
+            counters.draft_tokens += value
+        elif name == "num_accepted_tokens":
+            counters.accepted_tokens += value
+        elif name == "num_accepted_tokens_per_pos":
+            position = re.search(r'position="(\d+)"', labels)
+            if position:
+                index = int(position.group(1))
+                per_pos[index] = per_pos.get(index, 0.0) + value
+    counters.accepted_per_position = [per_pos.get(i, 0.0) for i in range(len(per_pos))]
+    return counters
+
+
+class VLLMClient:
+    """Requests to one server (``url`` without /v1). ``server``, when eagleforge started it,
+    names its log in errors and tells a dead engine from a slow one."""
+
+    def __init__(self, url: str, timeout_s: float, server: VLLMServer | None = None) -> None:
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.timeout_s = timeout_s
+        self.server = server
+
+    def _where(self) -> str:
+        if self.server is None:
+            return self.url
+        state = "running" if self.server.alive() else "stopped"
+        return f"{self.url} ({self.server.name}, {state}; its log: {self.server.log_path})"
+
+    def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            f"{self.url}/{path}", data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return bytes(response.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode(errors="replace")
+            raise EngineRequestError(
+                f"HTTP {e.code} from {self._where()}/{path}: {detail}"
+            ) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            raise EngineRequestError(
+                f"the engine at {self._where()} did not answer /{path}: {getattr(e, 'reason', e)}"
+            ) from None
+
+    def model(self) -> str:
+        """The first model the server serves."""
+        listing = json.loads(self._request("v1/models"))
+        return str(listing["data"][0]["id"])
+
+    def complete(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        model: str = SERVED_NAME,
+        extra: dict[str, Any] | None = None,
+    ) -> Completion:
+        """One completion of a token-id prompt; the new token ids come back as ids."""
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "return_token_ids": True,
+            **(extra or {}),
+        }
+        if seed is not None:
+            body["seed"] = seed
+        start = time.perf_counter()
+        response = json.loads(self._request("v1/completions", body))
+        seconds = time.perf_counter() - start
+        try:
+            choice = response["choices"][0]
+            ids = [int(i) for i in choice["token_ids"]]
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EngineRequestError(
+                f"unexpected completion from {self._where()} ({type(e).__name__}: {e}); is it "
+                "vLLM >= 0.10 (return_token_ids)?"
+            ) from None
+        return Completion(
+            ids, choice.get("finish_reason"), seconds, response.get("kv_transfer_params")
+        )
+
+    def complete_many(
+        self, prompts: list[list[int]], concurrency: int, **kwargs: Any
+    ) -> tuple[list[Completion], float]:
+        """Every prompt, ``concurrency`` requests in flight at once (the engine batches them):
+        the completions in prompt order and the wall time of them all."""
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            results = list(pool.map(lambda ids: self.complete(ids, **kwargs), prompts))
+        return results, time.perf_counter() - start
+
+    def spec_counters(self) -> SpecCounters:
+        return parse_spec_counters(self._request("metrics").decode(errors="replace"))

