@@ -40,7 +40,6 @@ from tqdm.auto import tqdm
 from eagleforge.checkpoint import load_draft_weights
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.draft.model import Eagle3Draft
-from eagleforge.engine.config import EngineDType
 from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.export import export
@@ -81,6 +80,7 @@ from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.registry import build_hf_target
 from eagleforge.targets.source import (
     ModelConfig,
+    generation_eos_ids,
     load_processor,
     load_tokenizer,
     resolve_model_dir,
@@ -263,26 +263,14 @@ def report_sets(summaries: list[Summary], eval_dir: Path, tracker: Tracker) -> N
 
 def engine_dtype(config: EagleForgeConfig) -> str:
     """The dtype the vLLM engine runs in: vllm.dtype, or the target's model.dtype (``auto``
-    as this machine's default: bf16 on CUDA, fp32 on a CPU, as eagleforge's own target)."""
-    if config.vllm.dtype != EngineDType.model:
-        return config.vllm.dtype.value
-    device = resolve_device(config.parallel)
-    return str(config.model.dtype.torch_dtype(device)).removeprefix("torch.")
+    as on this machine: bf16 on CUDA, fp32 on a CPU, as eagleforge's own target)."""
+    model_dtype = config.model.dtype.torch_dtype(resolve_device(config.parallel))
+    return config.vllm.dtype_for(str(model_dtype).removeprefix("torch."))
 
 
 def model_eos_ids(tokenizer: Any, model: ModelConfig, model_dir: Path | str) -> set[int]:
-    """The ids that end an answer, from the tokenizer and the model's generation config
-    (``eos_ids`` without loading the model)."""
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id}
-    try:
-        configured = GenerationConfig.from_pretrained(
-            model_dir, revision=model.revision
-        ).eos_token_id
-    except OSError:  # no generation_config.json
-        configured = None
-    ids.update(configured if isinstance(configured, list) else [configured])
+    """The ids that end an answer, as ``eos_ids`` finds them, without loading the model."""
+    ids = {tokenizer.eos_token_id, *generation_eos_ids(model_dir, model.revision)}
     return {int(i) for i in ids if i is not None}
 
 

@@ -12,6 +12,7 @@ Resumable: the same command after a kill continues where it stopped, under any
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -28,10 +29,18 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.engine.client import SERVED_NAME, VLLMClient
+from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
-from eagleforge.regeneration.backends import HFBackend, ServerBackend, hf_model_name
+from eagleforge.regeneration.backends import (
+    HFBackend,
+    ServerBackend,
+    VLLMBackend,
+    hf_model_name,
+    stop_ids_of,
+)
 from eagleforge.regeneration.config import Backend, RegenerateConfig
 from eagleforge.regeneration.magpie import magpie_rows
 from eagleforge.regeneration.output import (
@@ -46,7 +55,7 @@ from eagleforge.regeneration.output import (
 )
 from eagleforge.regeneration.rows import Generate, read_input, regenerate_rows
 from eagleforge.targets.registry import build_hf_target
-from eagleforge.targets.source import load_tokenizer, resolve_model_dir
+from eagleforge.targets.source import generation_eos_ids, load_tokenizer, resolve_model_dir
 
 log = logging.getLogger("eagleforge.regenerate")
 
@@ -78,8 +87,39 @@ def hf_backend(cfg: RegenerateConfig, config: EagleForgeConfig) -> HFBackend:
     return HFBackend(cfg, target.model, tokenizer, device, hf_model_name(config.model))
 
 
+def vllm_backend(
+    cfg: RegenerateConfig, config: EagleForgeConfig, engines: contextlib.ExitStack, log_path: Path
+) -> VLLMBackend:
+    """The vLLM engine answering: the server at vllm.url, or one eagleforge starts (stopped
+    when ``engines`` closes, however the job ends)."""
+    model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
+    tokenizer = load_tokenizer(config.model, model_dir)
+    vcfg = config.vllm
+    if vcfg.url:
+        client = VLLMClient(vcfg.url, vcfg.request_timeout_s)
+        served = client.model()
+        name = f"vllm:{served}"
+    else:
+        device = resolve_device(config.parallel)
+        dtype = vcfg.dtype_for(str(config.model.dtype.torch_dtype(device)).removeprefix("torch."))
+        server = engines.enter_context(
+            VLLMServer(vcfg, model_dir, log_path, dtype, name="vLLM (regenerate)")
+        )
+        client, served = server.client(), SERVED_NAME
+        name = f"vllm:{hf_model_name(config.model)}"
+    eos = generation_eos_ids(model_dir, config.model.revision)
+    return VLLMBackend(cfg, client, tokenizer, stop_ids_of(tokenizer, eos), name, served)
+
+
 def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     """Regenerate ``config.data`` into ``config.regenerate.output``, resuming finished chunks."""
+    with contextlib.ExitStack() as engines, stop_on_signals():
+        return _run(config, generate, engines)
+
+
+def _run(
+    config: EagleForgeConfig, generate: Generate | None, engines: contextlib.ExitStack
+) -> Summary:
     cfg = config.regenerate
     if not cfg.output:
         raise ConfigError("regenerate.output is not set: give the jsonl file to write.")
@@ -97,6 +137,9 @@ def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
             return generate
         if cfg.backend == Backend.server:
             return ServerBackend(cfg)
+        if cfg.backend == Backend.vllm:
+            log_path = output.with_name(f"{output.name}.vllm.log")
+            return vllm_backend(cfg, config, engines, log_path)
         return hf_backend(cfg, config)
 
     held_out: list[str] = []
@@ -183,7 +226,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     # the server backend only talks to a server; the hf backend loads the target here; with
     # Magpie the target writes the prompts, and no data is read
     regen = config.regenerate
-    check_inputs(config, model=regen.backend == Backend.hf, data=not regen.magpie.num_prompts)
+    local = regen.backend == Backend.hf or (regen.backend == Backend.vllm and not config.vllm.url)
+    check_inputs(config, model=local, data=not regen.magpie.num_prompts)
+    if regen.backend == Backend.vllm and not config.vllm.url:
+        engine_python(config.vllm)  # a missing engine costs a line, before any data is read
     summary = run(config)
     print(
         f"{summary.written} conversations written to {config.regenerate.output} "

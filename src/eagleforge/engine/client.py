@@ -8,14 +8,12 @@ import re
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eagleforge.errors import EagleForgeError
-
-if TYPE_CHECKING:
-    from eagleforge.engine.server import VLLMServer
 
 # the name eagleforge serves its target under (--served-model-name)
 SERVED_NAME = "target"
@@ -96,19 +94,18 @@ def parse_spec_counters(text: str) -> SpecCounters:
 
 
 class VLLMClient:
-    """Requests to one server (``url`` without /v1). ``server``, when eagleforge started it,
-    names its log in errors and tells a dead engine from a slow one."""
+    """Requests to one server (``url`` without /v1). ``describe``, for a server eagleforge
+    started, says in errors whether it still runs and where its log is."""
 
-    def __init__(self, url: str, timeout_s: float, server: VLLMServer | None = None) -> None:
+    def __init__(
+        self, url: str, timeout_s: float, describe: Callable[[], str] | None = None
+    ) -> None:
         self.url = url.rstrip("/").removesuffix("/v1")
         self.timeout_s = timeout_s
-        self.server = server
+        self.describe = describe
 
     def _where(self) -> str:
-        if self.server is None:
-            return self.url
-        state = "running" if self.server.alive() else "stopped"
-        return f"{self.url} ({self.server.name}, {state}; its log: {self.server.log_path})"
+        return f"{self.url} ({self.describe()})" if self.describe else self.url
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = json.dumps(body).encode() if body is not None else None

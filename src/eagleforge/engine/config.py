@@ -46,6 +46,11 @@ class VLLMConfig:
     # Further `vllm serve` arguments, e.g. ["--max-num-batched-tokens", "4096"].
     extra_args: list[str] = field(default_factory=list)
 
+    def dtype_for(self, model_dtype: str) -> str:
+        """The engine's dtype: ``dtype``, or ``model_dtype`` (the target's, resolved for this
+        machine) when it is ``model``."""
+        return model_dtype if self.dtype == EngineDType.model else self.dtype.value
+
     def __post_init__(self) -> None:
         if self.kv_cache_space_gib <= 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(

@@ -198,7 +198,11 @@ class VLLMServer:
         return self.proc is not None and self.proc.poll() is None
 
     def client(self) -> VLLMClient:
-        return VLLMClient(self.url, self.cfg.request_timeout_s, self)
+        return VLLMClient(self.url, self.cfg.request_timeout_s, self.describe)
+
+    def describe(self) -> str:
+        state = "running" if self.alive() else "stopped"
+        return f"{self.name}, {state}; its log: {self.log_path}"
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
@@ -250,7 +254,7 @@ def stop_on_signals() -> Iterator[None]:
     """While active, SIGTERM and SIGHUP (a ``kill``, a closed terminal) raise SystemExit in the
     main thread instead of ending the process at once, so every ``with VLLMServer`` stops its
     engine. Handlers someone else installed are left alone."""
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
 
     def _exit(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)

@@ -94,6 +94,8 @@ def _inspect(
                 f"aux layer ids {shown} ({fmt.value} numbering) are outside the target's "
                 f"0..{target_num_layers - 1}"
             )
+    if fmt == DraftFormat.sglang and "eagle_aux_hidden_state_layer_ids" in config:
+        problems += _vllm_ids_problem(config, layer_ids)
     if not weights_path.is_file():
         return [*problems, f"{path}: no model.safetensors"], config, {}
     tensors = {from_format(k): v for k, v in load_file(str(weights_path)).items()}
@@ -132,3 +134,19 @@ def _inspect(
     if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
         problems.append(f"config says torch_dtype {declared}, the weights are {next(iter(floats))}")
     return problems, config, tensors
+
+
+def _vllm_ids_problem(config: dict[str, Any], layer_ids: Any) -> list[str]:
+    """An SGLang draft's top-level ids are the ones vLLM reads (input of layer): they must
+    name the layers of eagle_config's (output of layer), one higher."""
+    top = config["eagle_aux_hidden_state_layer_ids"]
+    if not isinstance(layer_ids, list):
+        return []
+    expected = [i + DraftFormat.vllm.layer_id_offset for i in layer_ids]
+    if top != expected:
+        return [
+            f"top-level eagle_aux_hidden_state_layer_ids {top!r} (what vLLM reads, input of "
+            f"layer) do not name the layers of eagle_config's {layer_ids!r} (output of layer, "
+            f"what SGLang reads): vLLM would tap other layers than SGLang; expected {expected}"
+        ]
+    return []

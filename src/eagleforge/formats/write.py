@@ -49,6 +49,12 @@ def sglang_config(arch: DraftArchitecture, dtype: torch.dtype) -> dict[str, Any]
             "eagle_aux_hidden_state_layer_ids": list(arch.aux_layer_ids),
             "use_aux_hidden_state": True,
         },
+        # What vLLM reads first (and SGLang never reads): the same layers in vLLM's
+        # input-of-layer numbering, so that this directory served by vLLM as it is taps the
+        # layers the draft was trained on (vLLM would read eagle_config's ids one layer low).
+        "eagle_aux_hidden_state_layer_ids": [
+            i + DraftFormat.vllm.layer_id_offset for i in arch.aux_layer_ids
+        ],
         "eagleforge": {"target_model_type": arch.target_model_type},
     }
 

@@ -1,4 +1,5 @@
-"""The backends that write the replies: an OpenAI-compatible server, or the target in process.
+"""The backends that write the replies: an OpenAI-compatible server, the target in process,
+or the vLLM engine eagleforge runs.
 
 Each is a ``Generate`` (``eagleforge.regeneration.rows``): histories in, one reply each out,
 every reply through the same post-processing (``finish_reply``).
@@ -18,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagleforge.data.conversations import Conversation
+from eagleforge.engine.client import Completion, EngineRequestError, VLLMClient
 from eagleforge.errors import ConfigError
-from eagleforge.regeneration.config import RegenerateConfig
+from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
 from eagleforge.regeneration.rows import Reply, RequestFailed
 
 if TYPE_CHECKING:
@@ -144,9 +146,7 @@ class HFBackend:
         self.model_name = name  # recorded with the output (see run_settings)
         # a row that ends in none of these was cut at max_new_tokens
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.stop_ids = set(tokenizer.all_special_ids) | set(
-            eos if isinstance(eos, list) else [] if eos is None else [eos]
-        )
+        self.stop_ids = stop_ids_of(tokenizer, eos)
 
     @torch.no_grad()
     def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
@@ -175,16 +175,101 @@ class HFBackend:
         return replies
 
     def _reply(self, ids: list[int]) -> Reply:
-        """One row of new tokens as a reply. A row that ends in an ordinary token was cut at
-        max_new_tokens (an ended one ends in eos, then padding); when the cut split a
-        character, the tokens that carry its first bytes are dropped too, so the reply is a
-        whole-token prefix of what the target generated."""
+        """One row of new tokens as a reply: a row that ends in an ordinary token was cut at
+        max_new_tokens (an ended one ends in eos, then padding)."""
         cut = bool(ids) and ids[-1] not in self.stop_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        while cut and ids and text.endswith(PARTIAL_CHAR):
-            ids = ids[:-1]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return finish_reply(text, None, cut=cut)
+        return reply_from_ids(self.tokenizer, ids, cut)
+
+    def sample_rows(self, prompt_ids: list[int], cfg: MagpieConfig) -> list[list[int]]:
+        """``batch_size`` sampled continuations of ``prompt_ids`` (Magpie's prompts)."""
+        from eagleforge.regeneration.magpie import sample_continuations
+
+        ids = torch.tensor([prompt_ids], device=self.device).expand(self.cfg.batch_size, -1)
+        return list(sample_continuations(self.model, ids, cfg, self.stop_ids).tolist())
+
+
+def reply_from_ids(tokenizer: Any, ids: list[int], cut: bool) -> Reply:
+    """New tokens as a reply. When the max_new_tokens cut (``cut``) split a character, the
+    tokens that carry its first bytes are dropped too, so the reply is a whole-token prefix of
+    what the target generated."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    while cut and ids and text.endswith(PARTIAL_CHAR):
+        ids = ids[:-1]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+    return finish_reply(text, None, cut=cut)
+
+
+def stop_ids_of(tokenizer: Any, generation_eos: Any) -> set[int]:
+    """The ids after which a reply has ended: the tokenizer's special ids and the generation
+    config's eos."""
+    eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return set(tokenizer.all_special_ids) | {int(i) for i in eos if i is not None}
+
+
+class VLLMBackend:
+    """Token-id completions from a vLLM server: the conversations rendered with the target's
+    own chat template here (exactly as training renders them), ``concurrency`` requests in
+    flight, which the engine batches continuously."""
+
+    def __init__(
+        self, cfg: RegenerateConfig, client: VLLMClient, tokenizer: Any, stop_ids: set[int],
+        name: str, served: str,
+    ) -> None:  # fmt: skip
+        self.cfg, self.client, self.tokenizer, self.served = cfg, client, tokenizer, served
+        self.stop_ids = stop_ids
+        self.model_name = name  # recorded with the output (see run_settings)
+        self.pool = ThreadPoolExecutor(cfg.concurrency)
+        self.calls = 0  # requests so far: each gets its own seed
+
+    def _seeds(self, count: int) -> list[int]:
+        first, self.calls = self.calls, self.calls + count
+        return [self.cfg.seed * 1_000_003 + first + i for i in range(count)]
+
+    def _complete(
+        self, ids: list[int], seed: int, temperature: float, top_p: float, max_tokens: int
+    ) -> Completion | RequestFailed:
+        try:
+            return self.client.complete(
+                ids, max_tokens, temperature, top_p, seed, self.served,
+                extra={"stop_token_ids": sorted(self.stop_ids)},
+            )  # fmt: skip
+        except EngineRequestError as e:
+            return RequestFailed(str(e))
+
+    def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
+        prompts = [
+            list(
+                self.tokenizer.apply_chat_template(
+                    h, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
+            for h in histories
+        ]
+        cfg = self.cfg
+        done = self.pool.map(
+            lambda ids, seed: self._complete(
+                ids, seed, cfg.temperature, cfg.top_p, cfg.max_new_tokens
+            ),
+            prompts,
+            self._seeds(len(prompts)),
+        )
+        return [d if isinstance(d, RequestFailed) else self._reply(d) for d in done]
+
+    def _reply(self, done: Completion) -> Reply:
+        ids = [i for i in done.token_ids if i not in self.stop_ids]  # the stop token ends it
+        return reply_from_ids(self.tokenizer, ids, cut=done.finish_reason == "length")
+
+    def sample_rows(self, prompt_ids: list[int], cfg: MagpieConfig) -> list[list[int]]:
+        """``concurrency`` sampled continuations of ``prompt_ids`` (Magpie's prompts); a
+        request that failed gives an empty row (not ended: dropped)."""
+        count = self.cfg.concurrency
+        done = self.pool.map(
+            lambda seed: self._complete(
+                prompt_ids, seed, cfg.temperature, cfg.top_p, cfg.max_new_tokens
+            ),
+            self._seeds(count),
+        )
+        return [[] if isinstance(d, RequestFailed) else list(d.token_ids) for d in done]
 
 
 def hf_model_name(model: ModelConfig) -> str:

@@ -14,11 +14,12 @@ from eagleforge.errors import ConfigError
 class Backend(str, Enum):
     server = "server"  # any OpenAI-compatible chat endpoint (SGLang, vLLM, transformers serve)
     hf = "hf"  # the target in this process, batched generation with transformers
+    vllm = "vllm"  # the vLLM engine eagleforge starts (or vllm.url), continuous batching
 
 
 @dataclass
 class MagpieConfig:
-    """``regenerate.magpie``: the target writes the user turns too (hf backend)."""
+    """``regenerate.magpie``: the target writes the user turns too (hf or vllm backend)."""
 
     # Distinct first user turns to write and answer; 0 = off (the turns are read from `data`).
     num_prompts: int = 0
@@ -57,7 +58,7 @@ class RegenerateConfig:
     model: str | None = None
     # server: API key sent as a bearer token (null = none, or $OPENAI_API_KEY).
     api_key: str | None = None
-    # server: conversations in flight at once (over all base URLs).
+    # server, vllm: conversations in flight at once (over all base URLs).
     concurrency: int = 16
     # server: attempts per request after the first, with exponential backoff (each retry
     # goes to the next base URL).
@@ -82,7 +83,7 @@ class RegenerateConfig:
     chunk_rows: int = 256
     # Only the first N conversations (null = all).
     max_rows: int | None = None
-    # Seed of the hf backend's sampling.
+    # Seed of the hf and vllm backends' sampling.
     seed: int = 0
     # Magpie: the target writes the first user turns as well (see MagpieConfig).
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
@@ -107,8 +108,8 @@ class RegenerateConfig:
             )
         if self.backend == Backend.server and not self.base_urls:
             raise ConfigError("regenerate.base_urls is empty; give the server's …/v1 URL.")
-        if self.magpie.num_prompts and self.backend != Backend.hf:
+        if self.magpie.num_prompts and self.backend == Backend.server:
             raise ConfigError(
                 "regenerate.magpie.num_prompts samples prompts from the chat template's user "
-                "header, which a chat endpoint does not expose; set regenerate.backend=hf."
+                "header, which a chat endpoint does not expose; set regenerate.backend=hf or vllm."
             )

@@ -1,6 +1,6 @@
 """Magpie (Xu et al. 2024): the target writes the first user turns, which it then answers.
 
-Each prompt is sampled from the chat template's user header (hf backend only); the prompts are
+Each prompt is sampled from the chat template's user header (hf or vllm backend); the prompts are
 saved before any is answered, so a resumed job answers the same ones.
 """
 
@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from eagleforge.errors import ConfigError
-from eagleforge.regeneration.backends import HFBackend
 from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
 from eagleforge.regeneration.output import write_lines_atomically
 from eagleforge.regeneration.rows import Generate, Row
@@ -28,26 +27,35 @@ from eagleforge.targets.hf import kv_cache_argument
 NUCLEUS_CANDIDATES = 256
 
 
+class PromptSampler(Protocol):
+    """A backend that can continue raw token ids (the hf and vllm backends)."""
+
+    tokenizer: Any
+    stop_ids: set[int]
+
+    def sample_rows(self, prompt_ids: list[int], cfg: MagpieConfig) -> list[list[int]]: ...
+
+
 @torch.no_grad()
-def user_turns(backend: HFBackend, count: int, cfg: MagpieConfig) -> list[str]:
+def user_turns(backend: PromptSampler, count: int, cfg: MagpieConfig) -> list[str]:
     """``count`` distinct first user turns sampled from the chat template's user header
     (Magpie), in the order written; those the target does not end are dropped."""
     header = user_header(backend.tokenizer)
-    ids = backend.tokenizer(header, return_tensors="pt", add_special_tokens=False).input_ids
-    ids = ids.to(backend.device).expand(backend.cfg.batch_size, -1)
+    ids = list(backend.tokenizer(header, add_special_tokens=False)["input_ids"])
     prompts: dict[str, None] = {}  # insertion-ordered set
-    tries, max_tries = 0, 4 * count + 4 * backend.cfg.batch_size
+    tries, calls = 0, 0
     bar = tqdm(total=count, unit="prompt", desc="magpie prompts")
     while len(prompts) < count:
-        if tries >= max_tries:
+        # four tries a prompt, and four calls of the backend's width beyond that
+        if calls and tries >= 4 * count + 4 * tries // calls:
             raise ConfigError(
                 f"regenerate.magpie: the target wrote only {len(prompts)} distinct, ended "
                 f"prompts in {tries} tries; raise regenerate.magpie.max_new_tokens or "
                 "temperature, or ask for fewer."
             )
-        output = sample_continuations(backend.model, ids, cfg, backend.stop_ids)
-        tries += len(ids)
-        for row in output.tolist():
+        rows = backend.sample_rows(ids, cfg)
+        tries, calls = tries + len(rows), calls + 1
+        for row in rows:
             end = first_stop(row, backend.stop_ids)
             text = "" if end is None else backend.tokenizer.decode(row[:end]).strip()
             if text and text not in prompts and len(prompts) < count:
@@ -133,8 +141,8 @@ def magpie_rows(
             )
     else:
         generate = backend()
-        assert isinstance(generate, HFBackend)  # RegenerateConfig requires backend=hf
-        prompts = user_turns(generate, wanted, magpie)
+        assert hasattr(generate, "sample_rows")  # RegenerateConfig refuses backend=server
+        prompts = user_turns(generate, wanted, magpie)  # type: ignore[arg-type]
         write_lines_atomically(path, [json.dumps(p) for p in prompts])
     rows = [
         Row(i, f"magpie-{i:06d}", [{"role": "user", "content": p}, ASSISTANT_TO_WRITE])

@@ -470,3 +470,15 @@ def load_tokenizer(cfg: ModelConfig, model_dir: Path | str) -> Any:
             f"model.path={model_dir}: cannot load its tokenizer ({reason}); point model.path "
             "at a local model directory, or check the hub id and your access to it."
         ) from None
+
+
+def generation_eos_ids(model_dir: Path | str, revision: str | None = None) -> list[int]:
+    """The eos ids of a model's generation config (generation_config.json), without loading
+    the model; [] when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir, revision=revision or "main").eos_token_id
+    except OSError:  # no generation_config.json
+        return []
+    return [int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
