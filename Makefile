@@ -83,11 +83,13 @@ quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that p
 	$(OFFLINE) $(PY) -m eagleforge.evaluate $(QUALITY) eval.draft=$(QUALITY_DIR)/train/checkpoints/best \
 		hydra.run.dir=$(QUALITY_DIR)/evaluation
 
+# where vLLM builds, the engine tier must run (a missing environment fails it, not skips it)
+REQUIRE_ENGINE := EAGLEFORGE_REQUIRE_ENGINE=$(if $(ENGINE_OK),1,0)
 test: $(STAMP) $(ENGINE_ENV) ## Run the test suite, the vLLM engine tier included (CPU; gpu tests skip without CUDA)
-	$(OFFLINE) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE_ENGINE) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP) $(ENGINE_ENV) ## Run every test tier, slow ones included
-	$(OFFLINE) $(PY) -m pytest $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE_ENGINE) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~10 min)
 	$(OFFLINE) $(PY) -m pytest -m quality -s $(PYTEST_ARGS)

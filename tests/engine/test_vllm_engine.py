@@ -1,0 +1,113 @@
+"""eagleforge's drafts in the real vLLM engine on this CPU: a checkpoint served as it is taps
+the layers it was trained on, vLLM's counters are read, regenerate writes rows through the
+engine, and `evaluate eval.engine=[hf,vllm]` decodes losslessly in fp32 in both engines."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eagleforge.config import compose_config, to_typed
+from eagleforge.engine.server import VLLMServer
+from eagleforge.formats.read import read_sglang_architecture
+from helpers.engine import ENGINE, ENGINE_OVERRIDES
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def served_checkpoint(
+    engine_env: Path,
+    smollm2_dir: Path,
+    smollm2_checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[VLLMServer]:
+    """vLLM serving SmolLM2 with the checkpoint directory itself as its EAGLE-3 draft."""
+    log = tmp_path_factory.mktemp("engine") / "vllm.log"
+    spec = {"method": "eagle3", "model": str(smollm2_checkpoint), "num_speculative_tokens": 3}
+    with VLLMServer(ENGINE, smollm2_dir, log, "float32", speculative=spec) as server:
+        yield server
+
+
+def test_a_checkpoint_served_as_it_is_taps_its_trained_layers(
+    served_checkpoint: VLLMServer, smollm2_checkpoint: Path
+) -> None:
+    """vLLM numbers aux layers by their input: it must log eagleforge's ids + 1."""
+    trained = read_sglang_architecture(smollm2_checkpoint).aux_layer_ids
+    logged = re.findall(
+        r"Using auxiliary layers from speculative config: \(([\d, ]+)\)",
+        served_checkpoint.log_path.read_text(),
+    )
+    assert logged, "vLLM did not log the layers it taps"
+    assert [int(i) for i in logged[-1].split(",")] == [i + 1 for i in trained]
+
+
+def test_the_engines_counters_are_read(served_checkpoint: VLLMServer, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    client = served_checkpoint.client()
+    before = client.spec_counters()
+    prompt = smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True
+    )
+    done = client.complete(list(prompt), max_tokens=16)
+    after = client.spec_counters() - before
+    assert 1 <= len(done.token_ids) <= 16
+    assert after.drafts >= 1 and after.draft_tokens == 3 * after.drafts
+    assert len(after.accepted_per_position) == 3
+    assert 1.0 <= after.mean_acceptance_length <= 4.0
+
+
+def test_regenerate_writes_rows_through_the_engine(
+    served_checkpoint: VLLMServer, tmp_path: Path
+) -> None:
+    from eagleforge.regenerate import run
+
+    fixture = Path(__file__).parents[1] / "fixtures" / "openai_small.jsonl"
+    output = tmp_path / "regen.jsonl"
+    config = to_typed(compose_config([
+        "+model=smollm2", "data=jsonl", f"data.path={fixture}", "regenerate.backend=vllm",
+        f"vllm.url={served_checkpoint.url}", f"regenerate.output={output}",
+        "regenerate.max_rows=3", "regenerate.max_new_tokens=16", f"output_dir={tmp_path}",
+    ]))  # fmt: skip
+    summary = run(config)
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert summary.written == 3 and summary.failed == 0 and len(rows) == 3
+    assert all(
+        r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in rows
+    )
+    settings = json.loads(output.with_name("regen.jsonl.settings.json").read_text())
+    assert settings["backend"] == "vllm" and settings["model"] == "vllm:target"
+
+
+def test_evaluate_judges_the_draft_in_both_engines_losslessly(
+    engine_env: Path, smollm2_checkpoint: Path, tmp_path: Path
+) -> None:
+    """One evaluation, both engines: vLLM serves the exported draft (fp32) and its greedy
+    outputs equal its own without speculation, one at a time and batched."""
+    from eagleforge.evaluate import run
+
+    summaries = run(compose_config([
+        "+model=smollm2", "model.dtype=float32", f"eval.draft={smollm2_checkpoint}",
+        "eval.engine=[hf,vllm]", "eval.prompts=mtbench_style", "eval.max_prompts=3",
+        "eval.max_new_tokens=24", "eval.num_draft_tokens=3", "eval.engine_batch=3",
+        "tracker=console", f"output_root={tmp_path}", f"output_dir={tmp_path / 'eval'}",
+        *ENGINE_OVERRIDES,
+    ]))  # fmt: skip
+    assert [s.engine for s in summaries] == ["hf", "vllm"]
+    hf, vllm = summaries
+    assert hf.greedy_matches_target is True and vllm.greedy_matches_target is True
+    assert vllm.batch_outputs_equal == 3 and vllm.batch_size == 3
+    assert vllm.rounds > 0 and len(vllm.acceptance_by_position) == 3
+    assert vllm.speedup is not None and vllm.batch_speedup is not None
+    table = (tmp_path / "eval" / "eval" / "summary.md").read_text()
+    assert "| hf " in table and "| vllm " in table
+    exported = tmp_path / "eval" / "vllm" / "drafts" / smollm2_checkpoint.name
+    assert json.loads((exported / "config.json").read_text())["architectures"] == [
+        "Eagle3LlamaForCausalLM"
+    ]
+    log = (tmp_path / "eval" / "vllm" / f"{smollm2_checkpoint.name}-3-1-4.log").read_text()
+    trained = read_sglang_architecture(smollm2_checkpoint).aux_layer_ids
+    assert f"Using auxiliary layers from speculative config: {tuple(i + 1 for i in trained)}" in log
