@@ -96,8 +96,9 @@ def online_inputs(
     with world.main_first():  # rank 0 fills the tokenized-data cache
         data = build_datasets(config.data, tokenizer, cache_dir, config.seed, processor)
     target = build_target(
-        config.model, config.target, model_dir, world.device, tp_mesh=tp_axis(world.mesh)
-    )
+        config.model, config.target, model_dir, world.device, tp_mesh=tp_axis(world.mesh),
+        engine=config.vllm, engine_log=Path(config.output_dir) / "vllm.log",
+    )  # fmt: skip
     key = data.cache_key
     if data.train.images is not None:
         # image sizes (not in the cache key) decide which conversations fit data.max_length

@@ -36,10 +36,12 @@ from eagleforge.data.features import (
 )
 from eagleforge.data.preprocess import TokenizedDataset
 from eagleforge.data.split import build_datasets
+from eagleforge.engine.server import engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
 from eagleforge.targets.base import TargetBackend
+from eagleforge.targets.config import TargetBackendKind
 from eagleforge.targets.registry import build_target
 from eagleforge.targets.source import (
     VisionProcessor,
@@ -160,9 +162,35 @@ def run(config: EagleForgeConfig) -> Path:
         if config.data.is_vlm
         else None
     )
+    if config.target.backend == TargetBackendKind.vllm:
+        engine_python(config.vllm)  # a missing engine costs a line, before the data is read
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed, processor)
     dtype = config.model.dtype.torch_dtype(device)
-    target = build_target(config.model, config.target, model_dir, device)
+    out.mkdir(parents=True, exist_ok=True)
+    with stop_on_signals():
+        target = build_target(
+            config.model, config.target, model_dir, device,
+            engine=config.vllm, engine_log=out / "vllm.log",
+        )  # fmt: skip
+        try:
+            return _capture(config, out, model_dir, data, dtype, target, processor)
+        finally:
+            close = getattr(target, "close", None)  # target=vllm: stop its engine
+            if close is not None:
+                close()
+
+
+def _capture(
+    config: EagleForgeConfig,
+    out: Path,
+    model_dir: Path | str,
+    data: Any,
+    dtype: torch.dtype,
+    target: TargetBackend,
+    processor: VisionProcessor | None,
+) -> Path:
+    """Every split of ``data`` through ``target`` into the store ``out``."""
+    cfg = config.prepare
     fields = expected_manifest(
         config.model.name,
         Path(model_dir),
@@ -176,7 +204,6 @@ def run(config: EagleForgeConfig) -> Path:
     per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress, config.data.is_vlm)  # type: ignore[call-overload]
     tokens = sum(d.num_tokens() for _, d in splits)
     needed = tokens * per_token
-    out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     print(
         f"feature store {out}: {tokens:,} tokens x "

@@ -17,6 +17,7 @@ class TargetBackendKind(str, Enum):
     hf = "hf"  # transformers, in-process
     sglang = "sglang"  # SGLang's model runner, in-process (CUDA)
     custom = "custom"  # eagleforge's own tensor-parallel Llama / Qwen
+    vllm = "vllm"  # the vLLM engine (its own process, `vllm.*`), hidden-state capture
 
 
 @dataclass

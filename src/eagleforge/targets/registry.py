@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from eagleforge.engine.config import VLLMConfig
+from eagleforge.errors import ConfigError
 from eagleforge.targets.base import TargetBackend
 from eagleforge.targets.config import TargetBackendKind, TargetConfig
 from eagleforge.targets.custom import CustomTarget, local_model_dir
@@ -32,6 +34,8 @@ class LoadSpec:
     trust_remote_code: bool
     revision: str | None
     tp_mesh: DeviceMesh | None  # the run mesh's "tp" axis; None: no tensor parallelism
+    engine: VLLMConfig  # target=vllm: the engine to start (the run's `vllm` section)
+    engine_log: Path  # target=vllm: its log file
 
     @classmethod
     def of(
@@ -41,6 +45,8 @@ class LoadSpec:
         device: torch.device,
         aux_layer_ids: list[int] | None = None,
         tp_mesh: DeviceMesh | None = None,
+        engine: VLLMConfig | None = None,
+        engine_log: Path | None = None,
     ) -> LoadSpec:
         """``aux_layer_ids`` overrides model.aux_layer_ids (e.g. with the layers a trained
         draft reads)."""
@@ -52,6 +58,8 @@ class LoadSpec:
             model_cfg.trust_remote_code,
             model_cfg.revision,
             tp_mesh,
+            engine or VLLMConfig(),
+            engine_log or Path("vllm-target.log"),
         )
 
 
@@ -94,10 +102,22 @@ def _load_sglang(spec: LoadSpec, cfg: TargetConfig) -> TargetBackend:
     )
 
 
+def _load_vllm(spec: LoadSpec, cfg: TargetConfig) -> TargetBackend:
+    from eagleforge.targets.vllm import VLLMTarget
+
+    if spec.tp_mesh is not None:
+        raise ConfigError("target.backend=vllm runs the whole target in vLLM; set parallel.tp=1.")
+    model_dir = local_model_dir(spec.model_dir, spec.revision)
+    return VLLMTarget(
+        model_dir, spec.dtype, spec.device, spec.engine, spec.engine_log, spec.aux_layer_ids
+    )
+
+
 LOADERS: dict[TargetBackendKind, Callable[[LoadSpec, TargetConfig], TargetBackend]] = {
     TargetBackendKind.hf: _load_hf,
     TargetBackendKind.sglang: _load_sglang,
     TargetBackendKind.custom: _load_custom,
+    TargetBackendKind.vllm: _load_vllm,
 }
 
 
@@ -108,11 +128,14 @@ def build_target(
     device: torch.device,
     aux_layer_ids: list[int] | None = None,
     tp_mesh: DeviceMesh | None = None,
+    engine: VLLMConfig | None = None,
+    engine_log: Path | None = None,
 ) -> TargetBackend:
     """The backend `target.backend` names, loaded from ``model_dir``; ``tp_mesh`` is the run
     mesh's "tp" axis (None: no tensor parallelism; every tp rank calls this together);
-    ``aux_layer_ids`` overrides model.aux_layer_ids."""
-    spec = LoadSpec.of(model_cfg, model_dir, device, aux_layer_ids, tp_mesh)
+    ``aux_layer_ids`` overrides model.aux_layer_ids; ``engine`` and ``engine_log``: the vLLM
+    engine target=vllm starts, and where it logs."""
+    spec = LoadSpec.of(model_cfg, model_dir, device, aux_layer_ids, tp_mesh, engine, engine_log)
     return LOADERS[target_cfg.backend](spec, target_cfg)
 
 
