@@ -70,10 +70,13 @@ demo: $(STAMP) ## Train a SmolLM2-135M draft on chitchat on this CPU, then measu
 QUALITY_DIR ?= outputs/quality
 QUALITY := +model=smollm2 +experiment=smollm2_quality
 QUALITY_DATA := $(QUALITY) data=jsonl data.path=$(QUALITY_DIR)/magpie.jsonl
+# the data through vLLM, and vLLM judging beside eagleforge's decoder, where `make vllm` built it
+QUALITY_VLLM := $(wildcard $(VLLM_STAMP))
 quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that pays off (<= 60 min)
+	@echo "make quality: $(if $(QUALITY_VLLM),data written and drafts judged by vLLM ($(VLLM_VENV)),no $(VLLM_VENV): data by the hf backend and drafts judged by eagleforge's decoder alone (make vllm builds the engine))"
 	@# 1. the target writes prompts (Magpie) and answers them; 16 more are kept for validation
 	test -f $(QUALITY_DIR)/magpie.jsonl || $(OFFLINE) $(PY) -m eagleforge.regenerate $(QUALITY) \
-		regenerate.output=$(QUALITY_DIR)/magpie.jsonl
+		$(if $(QUALITY_VLLM),regenerate.backend=vllm) regenerate.output=$(QUALITY_DIR)/magpie.jsonl
 	@# 2. its hidden states, captured once
 	$(OFFLINE) $(PY) -m eagleforge.prepare $(QUALITY_DATA) prepare.output_dir=$(QUALITY_DIR)/features
 	@# 3. offline epochs; real tau on the held-out prompts picks checkpoints/best
@@ -81,7 +84,7 @@ quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that p
 		eval.prompts=$(QUALITY_DIR)/magpie.heldout.jsonl hydra.run.dir=$(QUALITY_DIR)/train
 	@# 4. on the bundled MT-bench-style prompts: chains and a tree, against the target alone
 	$(OFFLINE) $(PY) -m eagleforge.evaluate $(QUALITY) eval.draft=$(QUALITY_DIR)/train/checkpoints/best \
-		hydra.run.dir=$(QUALITY_DIR)/evaluation
+		$(if $(QUALITY_VLLM),'eval.engine=[hf,vllm]') hydra.run.dir=$(QUALITY_DIR)/evaluation
 
 # where vLLM builds, the engine tier must run (a missing environment fails it, not skips it)
 REQUIRE_ENGINE := EAGLEFORGE_REQUIRE_ENGINE=$(if $(ENGINE_OK),1,0)

@@ -34,6 +34,7 @@ from eagleforge.engine.server import VLLMServer
 from eagleforge.regeneration.backends import HFBackend, VLLMBackend
 from eagleforge.regeneration.config import Backend, MagpieConfig, RegenerateConfig
 from eagleforge.regeneration.magpie import first_stop, sample_continuations, user_header
+from eagleforge.regeneration.rows import RequestFailed
 from eagleforge.targets.source import bundled_smollm2_dir
 
 
@@ -186,6 +187,9 @@ def through_vllm(
             start = time.perf_counter()
             replies = answering(todo)
             seconds = time.perf_counter() - start
+            failed = [r for r in replies if isinstance(r, RequestFailed)]
+            if failed:
+                raise SystemExit(f"{len(failed)} of {len(replies)} requests failed: {failed[0]}")
             tokens = sum(len(tokenizer(r.content).input_ids) for r in replies)  # type: ignore[operator, union-attr]
             rows.append({"part": "answers", "how": f"vllm backend, {batch} in flight",
                          "batch": batch, "seconds": seconds, "tokens_per_s": tokens / seconds,

@@ -318,12 +318,17 @@ def evaluate_with_vllm(
     with stop_on_signals():
         if ecfg.baseline:
             with VLLMServer(
-                vcfg, model_dir, logs / "target.log", dtype, name="vLLM (target alone)"
+                vcfg,
+                model_dir,
+                logs / "target.log",
+                dtype,
+                name="vLLM (target alone)",
+                seed=config.seed,
             ) as server:
                 for prompt_set in sets:
                     baselines[prompt_set.name] = run_engine(
                         server.client(), prompt_set, renderer, reference, eos,
-                        ecfg.engine_batch, config.seed, speculative=False,
+                        ecfg.engine_batch, speculative=False,
                     )  # fmt: skip
         for step, path in drafts:
             exported = export_for_vllm(path, logs / "drafts" / path.name)
@@ -332,12 +337,12 @@ def evaluate_with_vllm(
                 with VLLMServer(
                     vcfg, model_dir, logs / f"{path.name}-{label}.log", dtype,
                     speculative=speculative_config(exported, setting),
-                    name=f"vLLM ({path.name}, {setting.label})",
+                    name=f"vLLM ({path.name}, {setting.label})", seed=config.seed,
                 ) as server:  # fmt: skip
                     for prompt_set in sets:
                         run = run_engine(
                             server.client(), prompt_set, renderer, setting, eos,
-                            ecfg.engine_batch, config.seed, speculative=True,
+                            ecfg.engine_batch, speculative=True,
                         )  # fmt: skip
                         summary = summarise_engine(
                             str(path), prompt_set, setting, run,

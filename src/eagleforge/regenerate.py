@@ -97,18 +97,18 @@ def vllm_backend(
     vcfg = config.vllm
     if vcfg.url:
         client = VLLMClient(vcfg.url, vcfg.request_timeout_s)
-        served = client.model()
+        served, alive = client.model(), None
         name = f"vllm:{served}"
     else:
         device = resolve_device(config.parallel)
         dtype = vcfg.dtype_for(str(config.model.dtype.torch_dtype(device)).removeprefix("torch."))
         server = engines.enter_context(
-            VLLMServer(vcfg, model_dir, log_path, dtype, name="vLLM (regenerate)")
+            VLLMServer(vcfg, model_dir, log_path, dtype, name="vLLM (regenerate)", seed=cfg.seed)
         )
-        client, served = server.client(), SERVED_NAME
+        client, served, alive = server.client(), SERVED_NAME, server.alive
         name = f"vllm:{hf_model_name(config.model)}"
     eos = generation_eos_ids(model_dir, config.model.revision)
-    return VLLMBackend(cfg, client, tokenizer, stop_ids_of(tokenizer, eos), name, served)
+    return VLLMBackend(cfg, client, tokenizer, stop_ids_of(tokenizer, eos), name, served, alive)
 
 
 def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:

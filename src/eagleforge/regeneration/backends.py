@@ -13,6 +13,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ import torch
 
 from eagleforge.data.conversations import Conversation
 from eagleforge.engine.client import Completion, EngineRequestError, VLLMClient
+from eagleforge.engine.server import EngineError
 from eagleforge.errors import ConfigError
 from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
 from eagleforge.regeneration.rows import Reply, RequestFailed
@@ -209,31 +211,32 @@ def stop_ids_of(tokenizer: Any, generation_eos: Any) -> set[int]:
 class VLLMBackend:
     """Token-id completions from a vLLM server: the conversations rendered with the target's
     own chat template here (exactly as training renders them), ``concurrency`` requests in
-    flight, which the engine batches continuously."""
+    flight, which the engine batches continuously. Sampling is seeded by the engine
+    (``--seed``), not per request: vLLM's CPU build dies on a seeded request whose prefill is
+    split ("CPU Generator does not use offset"). ``engine_alive`` (an engine eagleforge
+    started) turns a failure of a stopped engine into an EngineError that ends the job, so no
+    row is recorded as failed for it and a rerun answers them."""
 
     def __init__(
         self, cfg: RegenerateConfig, client: VLLMClient, tokenizer: Any, stop_ids: set[int],
-        name: str, served: str,
+        name: str, served: str, engine_alive: Callable[[], bool] | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.client, self.tokenizer, self.served = cfg, client, tokenizer, served
-        self.stop_ids = stop_ids
+        self.stop_ids, self.engine_alive = stop_ids, engine_alive
         self.model_name = name  # recorded with the output (see run_settings)
         self.pool = ThreadPoolExecutor(cfg.concurrency)
-        self.calls = 0  # requests so far: each gets its own seed
-
-    def _seeds(self, count: int) -> list[int]:
-        first, self.calls = self.calls, self.calls + count
-        return [self.cfg.seed * 1_000_003 + first + i for i in range(count)]
 
     def _complete(
-        self, ids: list[int], seed: int, temperature: float, top_p: float, max_tokens: int
+        self, ids: list[int], temperature: float, top_p: float, max_tokens: int
     ) -> Completion | RequestFailed:
         try:
             return self.client.complete(
-                ids, max_tokens, temperature, top_p, seed, self.served,
+                ids, max_tokens, temperature, top_p, model=self.served,
                 extra={"stop_token_ids": sorted(self.stop_ids)},
             )  # fmt: skip
         except EngineRequestError as e:
+            if self.engine_alive is not None and not self.engine_alive():
+                raise EngineError(f"the vLLM engine stopped: {e}") from None
             return RequestFailed(str(e))
 
     def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
@@ -247,11 +250,8 @@ class VLLMBackend:
         ]
         cfg = self.cfg
         done = self.pool.map(
-            lambda ids, seed: self._complete(
-                ids, seed, cfg.temperature, cfg.top_p, cfg.max_new_tokens
-            ),
+            lambda ids: self._complete(ids, cfg.temperature, cfg.top_p, cfg.max_new_tokens),
             prompts,
-            self._seeds(len(prompts)),
         )
         return [d if isinstance(d, RequestFailed) else self._reply(d) for d in done]
 
@@ -262,12 +262,9 @@ class VLLMBackend:
     def sample_rows(self, prompt_ids: list[int], cfg: MagpieConfig) -> list[list[int]]:
         """``concurrency`` sampled continuations of ``prompt_ids`` (Magpie's prompts); a
         request that failed gives an empty row (not ended: dropped)."""
-        count = self.cfg.concurrency
         done = self.pool.map(
-            lambda seed: self._complete(
-                prompt_ids, seed, cfg.temperature, cfg.top_p, cfg.max_new_tokens
-            ),
-            self._seeds(count),
+            lambda _: self._complete(prompt_ids, cfg.temperature, cfg.top_p, cfg.max_new_tokens),
+            range(self.cfg.concurrency),
         )
         return [[] if isinstance(d, RequestFailed) else list(d.token_ids) for d in done]
 

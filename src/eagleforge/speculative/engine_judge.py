@@ -78,10 +78,11 @@ def decode_pass(
     settings: DecodeSettings,
     eos_ids: set[int],
     concurrency: int,
-    seed: int,
 ) -> EnginePass:
     """Every turn of every prompt through ``client``, ``concurrency`` requests at once; turn
-    i of a prompt is rendered with this engine's own answers to turns before it."""
+    i of a prompt is rendered with this engine's own answers to turns before it. Sampling is
+    seeded by the engine, not per request (a seeded request crashes vLLM's CPU build when its
+    prefill is split)."""
     histories: list[list[dict[str, Any]]] = [list(item.context) for item in prompts.items]
     outputs: Outputs = {}
     lengths: dict[tuple[str, int], int] = {}
@@ -98,7 +99,6 @@ def decode_pass(
             concurrency,
             max_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
-            seed=seed + turn,
             extra={"stop_token_ids": sorted(eos_ids)},
         )
         seconds += wall
@@ -119,18 +119,17 @@ def run_engine(
     settings: DecodeSettings,
     eos_ids: set[int],
     batch: int,
-    seed: int,
     speculative: bool,
 ) -> EngineRun:
     """The concurrency-1 pass (vLLM's counters read around it when ``speculative``) and, for
     ``batch`` > 1, the batched pass."""
     client.complete(renderer([{"role": "user", "content": "Hi"}], "warm-up")[0], max_tokens=4)
     before = client.spec_counters() if speculative else None
-    single = decode_pass(client, prompts, renderer, settings, eos_ids, 1, seed)
+    single = decode_pass(client, prompts, renderer, settings, eos_ids, 1)
     counters = client.spec_counters() - before if before is not None else None
     batched = None
     if min(batch, len(prompts.items)) > 1:
-        batched = decode_pass(client, prompts, renderer, settings, eos_ids, batch, seed)
+        batched = decode_pass(client, prompts, renderer, settings, eos_ids, batch)
     return EngineRun(single, batched, counters)
 
 
