@@ -37,6 +37,14 @@ def test_an_exported_draft_has_no_problems(tmp_path: Path) -> None:
     assert check_draft(_draft_dir(tmp_path), target_num_layers=4) == []
 
 
+def test_a_checkpoint_names_its_layers_for_both_engines(tmp_path: Path) -> None:
+    """SGLang reads eagle_config's output-of-layer ids; vLLM reads the top-level ones first,
+    as inputs of layers: the same layers, one higher."""
+    config = json.loads((_draft_dir(tmp_path) / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+
+
 @pytest.mark.parametrize(
     ("break_it", "message"),
     [
@@ -70,6 +78,13 @@ def test_an_exported_draft_has_no_problems(tmp_path: Path) -> None:
             "weights mix dtypes",
         ),
         (lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
+        (
+            # what vLLM reads first must name eagle_config's layers in its own numbering
+            lambda p: _edit_config(
+                p, lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [1, 2, 3])
+            ),
+            "vLLM would tap other layers than SGLang; expected [2, 3, 4]",
+        ),
     ],
 )
 def test_each_problem_is_named(tmp_path: Path, break_it, message: str) -> None:  # type: ignore[no-untyped-def]
