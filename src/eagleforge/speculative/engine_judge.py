@@ -165,7 +165,8 @@ def summarise_engine(
         rounds=int(counters.drafts),
         tau=counters.mean_acceptance_length,
         acceptance_by_position=rates,
-        target_forwards=int(counters.drafts),
+        # verification rounds and one prefill a turn (vLLM's first token needs no draft)
+        target_forwards=int(counters.drafts) + len(single.outputs),
         generated_tokens=single.generated_tokens,
         tokens_per_s=single.tokens_per_s,
         baseline_tokens_per_s=base_speed,
