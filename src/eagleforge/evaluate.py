@@ -50,7 +50,12 @@ from eagleforge.formats.read import read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
 from eagleforge.speculative.config import DecodeSettings
-from eagleforge.speculative.decoder import DecodeResult, SpeculativeDecoder, eos_ids
+from eagleforge.speculative.decoder import (
+    DecodeResult,
+    SpeculativeDecoder,
+    answer_end_ids,
+    eos_ids,
+)
 from eagleforge.speculative.engine_judge import (
     EngineRun,
     run_engine,
@@ -79,7 +84,6 @@ from eagleforge.speculative.report import (
 from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.registry import build_hf_target
 from eagleforge.targets.source import (
-    ModelConfig,
     generation_eos_ids,
     load_processor,
     load_tokenizer,
@@ -268,12 +272,6 @@ def engine_dtype(config: EagleForgeConfig) -> str:
     return config.vllm.dtype_for(str(model_dtype).removeprefix("torch."))
 
 
-def model_eos_ids(tokenizer: Any, model: ModelConfig, model_dir: Path | str) -> set[int]:
-    """The ids that end an answer, as ``eos_ids`` finds them, without loading the model."""
-    ids = {tokenizer.eos_token_id, *generation_eos_ids(model_dir, model.revision)}
-    return {int(i) for i in ids if i is not None}
-
-
 def vllm_settings(settings: list[DecodeSettings]) -> list[DecodeSettings]:
     """The settings vLLM can decode; each one it cannot is named on the console."""
     runnable = []
@@ -451,9 +449,11 @@ def run(cfg: DictConfig) -> list[Summary]:
                     )
                     tau_by_step.setdefault(series, []).append((step, summary.tau))
                     summaries.append(summary)
-        del target, draft
+        del target, draft  # the HF target's memory is free before the vLLM engines start
     else:
-        eos = model_eos_ids(renderer.tokenizer, config.model, model_dir)
+        # the same ids eos_ids reads from a loaded model, from its generation_config.json
+        generated = generation_eos_ids(model_dir, config.model.revision)
+        eos = answer_end_ids(renderer.tokenizer, generated)
     if "vllm" in engines:
         summaries += evaluate_with_vllm(
             config, drafts, engine_settings, sets, renderer, eos, model_dir, tracker

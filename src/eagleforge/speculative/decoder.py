@@ -351,9 +351,14 @@ class SpeculativeDecoder:
 
 def eos_ids(tokenizer: Any, target: HFTarget) -> set[int]:
     """Token ids that end an answer: the tokenizer's and the generation config's."""
-    ids = {tokenizer.eos_token_id}
     generation = getattr(target.model, "generation_config", None)
-    configured = getattr(generation, "eos_token_id", None)
+    return answer_end_ids(tokenizer, getattr(generation, "eos_token_id", None))
+
+
+def answer_end_ids(tokenizer: Any, configured: Any) -> set[int]:
+    """The tokenizer's eos and ``configured`` (a generation config's eos_token_id: an id, a
+    list of them, or None): what ends an answer, for eagleforge's decoder and for vLLM alike."""
+    ids = {tokenizer.eos_token_id}
     ids.update(configured if isinstance(configured, list) else [configured])
     return {int(i) for i in ids if i is not None}
 
