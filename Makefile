@@ -58,25 +58,30 @@ vllm: $(VLLM_STAMP) ## Build the vLLM engine's own environment in .venv-vllm (CP
 # Each demo in its own run directory, so a second `make demo` trains anew.
 DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
 DEMO_RUN ?= outputs/runs/demo-$(DEMO_TIME)
-demo: $(STAMP) ## Train a SmolLM2-135M draft on chitchat on this CPU, then measure its real tau and speedup (< 10 min)
-	$(OFFLINE) $(PY) -m eagleforge.train +model=smollm2 data=chitchat +experiment=cpu_demo \
-		hydra.run.dir=$(DEMO_RUN)
-	@# real speculative decoding on prompts it never trained on, against the target alone
+demo: $(STAMP) ## Train a SmolLM2-135M draft on its own words on this CPU, then measure its real tau and speedup (~8 min)
+	@# 1. the target writes 320 prompts (Magpie) and answers them: what the draft learns to predict
+	$(OFFLINE) $(PY) -m eagleforge.regenerate +model=smollm2 +experiment=cpu_demo \
+		regenerate.output=$(DEMO_RUN)/data/magpie.jsonl hydra.run.dir=$(DEMO_RUN)/data
+	@# 2. the draft, trained online: the target runs in every step
+	$(OFFLINE) $(PY) -m eagleforge.train +model=smollm2 +experiment=cpu_demo \
+		data=jsonl data.path=$(DEMO_RUN)/data/magpie.jsonl hydra.run.dir=$(DEMO_RUN)
+	@# 3. real speculative decoding on prompts it never trained on, against the target alone
 	$(OFFLINE) $(PY) -m eagleforge.evaluate +model=smollm2 +experiment=cpu_demo \
 		eval.draft=$$(ls -d $(DEMO_RUN)/checkpoints/step_* | tail -1) hydra.run.dir=$(DEMO_RUN)/evaluation
 
 # `make quality` (docs/quality.md): a SmolLM2-135M draft that speeds its target up, built from
 # nothing on this CPU in <= 60 min. Each step resumes: a killed `make quality` goes on from there.
 QUALITY_DIR ?= outputs/quality
-QUALITY := +model=smollm2 +experiment=smollm2_quality
-QUALITY_DATA := $(QUALITY) data=jsonl data.path=$(QUALITY_DIR)/magpie.jsonl
-# the data through vLLM, and vLLM judging beside eagleforge's decoder, where `make vllm` built it
+# the data through vLLM (3x of it) and vLLM judging beside eagleforge's decoder, where `make vllm`
+# built the engine: conf/experiment/smollm2_quality_vllm.yaml
 QUALITY_VLLM := $(wildcard $(VLLM_STAMP))
+QUALITY := +model=smollm2 +experiment=smollm2_quality$(if $(QUALITY_VLLM),_vllm)
+QUALITY_DATA := $(QUALITY) data=jsonl data.path=$(QUALITY_DIR)/magpie.jsonl
 quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that pays off (<= 60 min)
-	@echo "make quality: $(if $(QUALITY_VLLM),data written and drafts judged by vLLM ($(VLLM_VENV)),no $(VLLM_VENV): data by the hf backend and drafts judged by eagleforge's decoder alone (make vllm builds the engine))"
+	@echo "make quality: $(if $(QUALITY_VLLM),vLLM ($(VLLM_VENV)) writes 3,072 conversations and judges the drafts beside eagleforge's decoder,no $(VLLM_VENV): the hf backend writes 1,024 conversations and eagleforge's decoder judges the drafts (make vllm builds the engine)) ($(QUALITY))"
 	@# 1. the target writes prompts (Magpie) and answers them; 16 more are kept for validation
 	test -f $(QUALITY_DIR)/magpie.jsonl || $(OFFLINE) $(PY) -m eagleforge.regenerate $(QUALITY) \
-		$(if $(QUALITY_VLLM),regenerate.backend=vllm) regenerate.output=$(QUALITY_DIR)/magpie.jsonl
+		regenerate.output=$(QUALITY_DIR)/magpie.jsonl
 	@# 2. its hidden states, captured once
 	$(OFFLINE) $(PY) -m eagleforge.prepare $(QUALITY_DATA) prepare.output_dir=$(QUALITY_DIR)/features
 	@# 3. offline epochs; real tau on the held-out prompts picks checkpoints/best
@@ -84,7 +89,7 @@ quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that p
 		eval.prompts=$(QUALITY_DIR)/magpie.heldout.jsonl hydra.run.dir=$(QUALITY_DIR)/train
 	@# 4. on the bundled MT-bench-style prompts: chains and a tree, against the target alone
 	$(OFFLINE) $(PY) -m eagleforge.evaluate $(QUALITY) eval.draft=$(QUALITY_DIR)/train/checkpoints/best \
-		$(if $(QUALITY_VLLM),'eval.engine=[hf,vllm]') hydra.run.dir=$(QUALITY_DIR)/evaluation
+		hydra.run.dir=$(QUALITY_DIR)/evaluation
 
 # where vLLM builds, the engine tier must run (a missing environment fails it, not skips it)
 REQUIRE_ENGINE := EAGLEFORGE_REQUIRE_ENGINE=$(if $(ENGINE_OK),1,0)

@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.engine.server import VLLMServer
 from eagleforge.formats.read import read_sglang_architecture
 from helpers.engine import ENGINE, ENGINE_OVERRIDES
+from helpers.runs import weights
 
 pytestmark = pytest.mark.engine
 
@@ -129,17 +131,61 @@ def test_capture_through_vllm_matches_the_hf_capture(engine_env: Path, tmp_path:
     assert (tmp_path / "vllm" / "features" / "vllm.log").is_file()  # the engine logged there
     hf, vllm = (FeatureDataset(stores[b] / "train") for b in ("hf", "vllm"))
     assert len(hf) == len(vllm) > 0
+    manifests = [json.loads((stores[b] / "manifest.json").read_text()) for b in ("hf", "vllm")]
+    assert manifests[0] == manifests[1]  # the same data, target, layers and dtype
     for i in range(len(hf)):
         (ids, mask, aux, final), (ids_v, mask_v, aux_v, final_v) = hf[i], vllm[i]
         assert (ids, mask) == (ids_v, mask_v)
         for ours, theirs in ((aux, aux_v), (final, final_v)):
             relative = (ours - theirs).norm(dim=-1) / ours.norm(dim=-1)
             assert float(relative.max()) < 1e-4
-    losses = {
+    runs = {
         backend: train_on_rank(0, tiny_run_overrides(
             tmp_path / f"train-{backend}", *data, f"data.features={stores[backend]}",
             "trainer.max_num_steps=3", "draft.ttt_length=2",
-        ))[0]
+        ))
         for backend in ("hf", "vllm")
     }  # fmt: skip
+    losses = {backend: run[0] for backend, run in runs.items()}
+    # the same vocabulary map from either store
+    maps = [weights(runs[b][2]) for b in ("hf", "vllm")]
+    assert torch.equal(maps[0]["d2t"], maps[1]["d2t"]) and torch.equal(
+        maps[0]["t2d"], maps[1]["t2d"]
+    )
     assert losses["vllm"][-1] == pytest.approx(losses["hf"][-1], rel=0.01)
+
+
+def test_online_training_with_vllm_as_the_target(engine_env: Path, tmp_path: Path) -> None:
+    """target=vllm online: the engine feeds every step's batch (one request a row), the
+    losses of 3 steps within 1% of the hf target's, its log in the run directory, and the
+    engine stopped when training ends."""
+    from helpers.runs import tiny_run_overrides, train_on_rank
+
+    data = ("+model=smollm2", "model.dtype=float32", "data=chitchat", "data.max_num_samples=24",
+            "data.num_eval_samples=2", "data.max_length=96", "data.packing=false")  # fmt: skip
+    losses = {}
+    for backend in ("hf", "vllm"):
+        run = tmp_path / backend
+        overrides = tiny_run_overrides(run, *data, f"target={backend}", *ENGINE_OVERRIDES,
+                                       "trainer.max_num_steps=3", "draft.ttt_length=2")  # fmt: skip
+        losses[backend] = train_on_rank(0, overrides)[0]
+    assert len(losses["vllm"]) == 3
+    assert losses["vllm"] == pytest.approx(losses["hf"], rel=0.01)
+    log = (tmp_path / "vllm" / "run" / "vllm.log").read_text()
+    assert "extract_hidden_states" in log
+    port = re.search(r"--port (\d+)", log)
+    assert port is not None
+    assert (
+        not [  # no process of that engine is left
+            proc
+            for proc in Path("/proc").glob("[0-9]*/cmdline")
+            if f"--port\0{port.group(1)}\0".encode() in _read(proc)
+        ]
+    )
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # a process that ended meanwhile
+        return b""

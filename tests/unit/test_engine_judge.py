@@ -12,7 +12,7 @@ from eagleforge.engine.client import Completion, EngineRequestError, SpecCounter
 from eagleforge.engine.server import EngineError
 from eagleforge.errors import ConfigError
 from eagleforge.regeneration.backends import VLLMBackend
-from eagleforge.regeneration.config import RegenerateConfig
+from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
 from eagleforge.regeneration.rows import RequestFailed
 from eagleforge.speculative.config import DecodeSettings, EvalConfig
 from eagleforge.speculative.engine_judge import (
@@ -70,8 +70,10 @@ def test_capture_ids_are_vllms_inputs_of_layers_and_the_last_output() -> None:
 class ScriptedClient:
     def __init__(self, answers: list[Completion | Exception]) -> None:
         self.answers = answers
+        self.requests: list[tuple[Any, ...]] = []
 
-    def complete(self, ids: list[int], *_: Any, **__: Any) -> Completion:
+    def complete(self, ids: list[int], *args: Any, **kwargs: Any) -> Completion:
+        self.requests.append((ids, args, kwargs))
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
@@ -111,3 +113,15 @@ def test_a_stopped_engine_ends_the_job(smollm2_tokenizer) -> None:  # type: igno
     )
     with pytest.raises(EngineError, match="the vLLM engine stopped: connection refused"):
         backend([[{"role": "user", "content": "Hi"}]])
+
+
+def test_magpie_prompts_ask_vllm_for_top_k_not_a_sort(smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """top_k goes to the engine with each Magpie request (top_p < 1 alone would make vLLM
+    sort the whole vocabulary of every row at every step)."""
+    client = ScriptedClient([Completion([5, 6], "stop", 0.1), Completion([7], "length", 0.1)])
+    cfg = RegenerateConfig(backend="vllm", concurrency=2)  # type: ignore[arg-type]
+    backend = VLLMBackend(cfg, client, smollm2_tokenizer, {6}, "vllm:m", "target")  # type: ignore[arg-type]
+    rows = backend.sample_rows([1, 2], MagpieConfig(top_p=1.0, top_k=64, max_new_tokens=9))
+    assert sorted(rows) == [[5, 6], [7]]
+    for ids, args, kwargs in client.requests:
+        assert ids == [1, 2] and args == (9, 1.0, 1.0) and kwargs["extra"]["top_k"] == 64

@@ -1,6 +1,6 @@
 """Magpie's nucleus sampling (regeneration/magpie.py): the smallest set of most likely tokens
 holding top_p of the mass, drawn in proportion to the full-vocabulary probabilities, at most
-NUCLEUS_CANDIDATES wide; and the batched sampling loop stops once every row has ended."""
+top_k wide; and the batched sampling loop stops once every row has ended."""
 
 from __future__ import annotations
 
@@ -10,18 +10,16 @@ import pytest
 import torch
 
 from eagleforge.regeneration.config import MagpieConfig
-from eagleforge.regeneration.magpie import (
-    NUCLEUS_CANDIDATES,
-    nucleus_sample,
-    sample_continuations,
-)
+from eagleforge.regeneration.magpie import nucleus_sample, sample_continuations
 
 pytestmark = pytest.mark.unit
 
 
-def draws(logits_V: torch.Tensor, top_p: float, n: int = 20_000, temperature: float = 1.0):
+def draws(
+    logits_V: torch.Tensor, top_p: float, n: int = 20_000, temperature: float = 1.0, top_k=256
+):
     torch.manual_seed(0)
-    tokens = nucleus_sample(logits_V.expand(n, -1), temperature, top_p)
+    tokens = nucleus_sample(logits_V.expand(n, -1), temperature, top_p, top_k)
     return torch.bincount(tokens, minlength=len(logits_V)).float() / n
 
 
@@ -45,9 +43,19 @@ def test_a_tiny_top_p_is_greedy_and_temperature_sharpens() -> None:
     assert sharp[1] > flat[1] + 0.2
 
 
-def test_a_wide_nucleus_is_cut_to_the_candidates() -> None:
-    freq = draws(torch.zeros(4 * NUCLEUS_CANDIDATES), 1.0, n=4_000)
-    assert int((freq > 0).sum()) <= NUCLEUS_CANDIDATES
+def test_a_wide_nucleus_is_cut_to_the_top_k_candidates() -> None:
+    freq = draws(torch.zeros(1024), 1.0, n=4_000, top_k=256)
+    assert 200 < int((freq > 0).sum()) <= 256
+    # the top_k most likely, with their full-vocabulary probabilities (renormalised)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    assert torch.allclose(
+        draws(probs.log(), 1.0, top_k=2), torch.tensor([4, 3, 0, 0]) / 7, atol=0.015
+    )
+
+
+def test_top_k_zero_is_the_whole_vocabulary() -> None:
+    freq = draws(torch.zeros(1024), 1.0, n=20_000, top_k=0)
+    assert int((freq > 0).sum()) > 1000
 
 
 class CountingModel(torch.nn.Module):

@@ -63,3 +63,12 @@ def test_a_failed_turn_leaves_its_conversation_out() -> None:
 def test_identical_samples_are_refused() -> None:
     with pytest.raises(ConfigError, match="regenerate.temperature > 0"):
         RegenerateConfig(num_samples=3)
+
+
+def test_max_turns_answers_the_first_turns_and_cuts_the_rest() -> None:
+    out, _ = regenerate_rows([Row(0, "a", CONVERSATION)], echo, RegenerateConfig(max_turns=1))
+    messages = out[0]["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant"]
+    assert messages[2]["content"] == "reply after ['Be brief.', 'Hi']"
+    with pytest.raises(ConfigError, match="regenerate.max_turns must be >= 0"):
+        RegenerateConfig(max_turns=-1)

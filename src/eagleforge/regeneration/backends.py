@@ -227,13 +227,15 @@ class VLLMBackend:
         self.pool = ThreadPoolExecutor(cfg.concurrency)
 
     def _complete(
-        self, ids: list[int], temperature: float, top_p: float, max_tokens: int
+        self, ids: list[int], temperature: float, top_p: float, max_tokens: int, top_k: int = 0
     ) -> Completion | RequestFailed:
+        extra: dict[str, Any] = {"stop_token_ids": sorted(self.stop_ids)}
+        if top_k:
+            extra["top_k"] = top_k
         try:
             return self.client.complete(
-                ids, max_tokens, temperature, top_p, model=self.served,
-                extra={"stop_token_ids": sorted(self.stop_ids)},
-            )  # fmt: skip
+                ids, max_tokens, temperature, top_p, model=self.served, extra=extra
+            )
         except EngineRequestError as e:
             if self.engine_alive is not None and not self.engine_alive():
                 raise EngineError(f"the vLLM engine stopped: {e}") from None
@@ -263,7 +265,9 @@ class VLLMBackend:
         """``concurrency`` sampled continuations of ``prompt_ids`` (Magpie's prompts); a
         request that failed gives an empty row (not ended: dropped)."""
         done = self.pool.map(
-            lambda _: self._complete(prompt_ids, cfg.temperature, cfg.top_p, cfg.max_new_tokens),
+            lambda _: self._complete(
+                prompt_ids, cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.top_k
+            ),
             range(self.cfg.concurrency),
         )
         return [[] if isinstance(d, RequestFailed) else list(d.token_ids) for d in done]

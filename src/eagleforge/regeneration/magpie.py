@@ -20,12 +20,6 @@ from eagleforge.regeneration.output import write_lines_atomically
 from eagleforge.regeneration.rows import Generate, Row
 from eagleforge.targets.hf import kv_cache_argument
 
-# Nucleus sampling draws from the top NUCLEUS_CANDIDATES tokens of each row: transformers'
-# top-p sorts the whole vocabulary of every row at every step, which on a CPU costs more than
-# the forward of a small target (49k-token vocab, batch 128). A nucleus wider than this is cut
-# to it, with probabilities still normalised over the full vocabulary.
-NUCLEUS_CANDIDATES = 256
-
 
 class PromptSampler(Protocol):
     """A backend that can continue raw token ids (the hf and vllm backends)."""
@@ -80,7 +74,7 @@ def sample_continuations(
     ended_B = torch.zeros(len(ids_BT), dtype=torch.bool, device=ids_BT.device)
     tokens: list[torch.Tensor] = []
     for _ in range(cfg.max_new_tokens):
-        token_B = nucleus_sample(logits_BV, cfg.temperature, cfg.top_p)
+        token_B = nucleus_sample(logits_BV, cfg.temperature, cfg.top_p, cfg.top_k)
         tokens.append(token_B)
         ended_B |= torch.isin(token_B, stop_tokens)
         if bool(ended_B.all()):
@@ -94,11 +88,17 @@ def first_stop(row: list[int], stop_ids: set[int]) -> int | None:
     return next((i for i, t in enumerate(row) if t in stop_ids), None)
 
 
-def nucleus_sample(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def nucleus_sample(
+    logits_BV: torch.Tensor, temperature: float, top_p: float, top_k: int
+) -> torch.Tensor:
     """One token per row: from the smallest set of most likely tokens holding ``top_p`` of
-    the probability at ``temperature`` (at most NUCLEUS_CANDIDATES of them)."""
+    the probability at ``temperature``, at most ``top_k`` of them (0 = no limit). Only the top
+    ``top_k`` are ever sorted: transformers' top-p sorts the whole vocabulary of every row at
+    every step, which on a CPU costs more than the forward of a small target (49k-token vocab,
+    batch 128)."""
     logits_BV = logits_BV.float() / temperature
-    top_BK = logits_BV.topk(min(NUCLEUS_CANDIDATES, logits_BV.shape[-1]), dim=-1)
+    vocab = logits_BV.shape[-1]
+    top_BK = logits_BV.topk(min(top_k, vocab) if top_k else vocab, dim=-1)
     probs_BK = (top_BK.values - logits_BV.logsumexp(dim=-1, keepdim=True)).exp()
     # keep a candidate while the mass before it is below top_p (the most likely one always)
     before_BK = probs_BK.cumsum(dim=-1) - probs_BK

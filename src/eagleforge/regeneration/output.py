@@ -110,6 +110,7 @@ def run_settings(cfg: RegenerateConfig, data: DataConfig, rows: list[Row]) -> di
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens,
+        "max_turns": cfg.max_turns,
         "keep_reasoning": cfg.keep_reasoning,
         "num_samples": cfg.num_samples,
         # last: a change of sampling is named by its own field first
@@ -128,6 +129,8 @@ def check_same_settings(
     for name, value in settings.items():
         old: Any = recorded.get(name)
         # a field missing from ``recorded`` is one an older eagleforge did not record
+        if isinstance(value, dict) and isinstance(old, dict):  # older ones recorded fewer keys
+            value = {k: v for k, v in value.items() if k in old}
         if value is None or value == old or name not in recorded:
             continue
         if name == "source":  # the same conversations, wherever the files are now

@@ -68,14 +68,17 @@ def regenerate_rows(
     rows: list[Row], generate: Generate, cfg: RegenerateConfig
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(output rows, failures) for ``rows``: every assistant turn replaced, in order, for
-    ``num_samples`` samples of each conversation. ``generate`` is called once per assistant
-    turn position with the histories of every conversation still going."""
+    ``num_samples`` samples of each conversation (the first ``max_turns``, the conversation
+    cut after them). ``generate`` is called once per assistant turn position with the
+    histories of every conversation still going."""
     work = [(row, sample) for row in rows for sample in range(cfg.num_samples)]
     histories: list[Conversation] = [[] for _ in work]
     turn_of = [0 for _ in work]
     failed: dict[int, str] = {}
     live = list(range(len(work)))
-    while live:
+    turns = 0
+    while live and (not cfg.max_turns or turns < cfg.max_turns):
+        turns += 1
         # advance every live conversation to its next assistant turn (or to its end)
         waiting = []
         for i in live:
