@@ -133,3 +133,40 @@ def test_finish_reply_trims_only_a_cut_reply() -> None:
     assert finish_reply("ok \ufffd", None, cut=False).content == "ok \ufffd"
     reply = finish_reply("<think> plan </think>\n Answer", None, cut=False)
     assert (reply.content, reply.reasoning) == ("Answer", "plan")
+
+
+class LengthModel:
+    """``generate`` that answers each row with its prompt's token count, recording the rows'
+    widths of every batch (the padded prompt length)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.widths = tokenizer, []
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any) -> Any:
+        self.widths.append(int(input_ids.shape[1]))
+        rows = [
+            self.tokenizer(f"{int(m.sum())}", add_special_tokens=False)["input_ids"]
+            + [self.tokenizer.eos_token_id]
+            for m in attention_mask
+        ]
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        return torch.cat([input_ids, torch.tensor([r + [pad] * (width - len(r)) for r in rows])], 1)
+
+
+def test_hf_batches_similar_lengths_and_answers_in_order(
+    smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(smollm2_tokenizer, "padding_side", "left")
+    model = LengthModel(smollm2_tokenizer)
+    backend = HFBackend(RegenerateConfig(batch_size=2), model, smollm2_tokenizer, torch.device("cpu"), "m")  # fmt: skip
+    words = [40, 1, 41, 2]  # long, short, long, short
+    histories = [[{"role": "user", "content": "word " * n}] for n in words]
+    replies = backend(histories)
+    lengths = [
+        len(smollm2_tokenizer.apply_chat_template(h, tokenize=True, add_generation_prompt=True, return_dict=False))
+        for h in histories
+    ]  # fmt: skip
+    assert [r.content for r in replies] == [str(n) for n in lengths]  # type: ignore[union-attr]
+    # the two short prompts went together, then the two long ones
+    assert model.widths == [max(lengths[1], lengths[3]), max(lengths[0], lengths[2])]

@@ -152,13 +152,18 @@ class HFBackend:
 
     @torch.no_grad()
     def __call__(self, histories: list[Conversation]) -> list[Reply | RequestFailed]:
-        replies: list[Reply | RequestFailed] = []
-        for start in range(0, len(histories), self.cfg.batch_size):
-            batch = histories[start : start + self.cfg.batch_size]
-            prompts = [
-                self.tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True)
-                for h in batch
-            ]
+        rendered = [
+            self.tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True)
+            for h in histories
+        ]
+        # batches of similar lengths: one long prompt pads its whole batch (64 chitchat turns
+        # padded to 329 tokens answer at 125 tokens/s, 64 of one length at 472)
+        lengths = [len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in rendered]
+        order = sorted(range(len(rendered)), key=lengths.__getitem__)
+        replies: list[Reply | RequestFailed] = [RequestFailed("not generated")] * len(order)
+        for start in range(0, len(order), self.cfg.batch_size):
+            batch = order[start : start + self.cfg.batch_size]
+            prompts = [rendered[i] for i in batch]
             inputs = self.tokenizer(
                 prompts, return_tensors="pt", padding=True, add_special_tokens=False
             ).to(self.device)
@@ -173,7 +178,8 @@ class HFBackend:
                 pad_token_id=self.tokenizer.pad_token_id,
             )
             new_tokens = output[:, inputs["input_ids"].shape[1] :].tolist()
-            replies += [self._reply(ids) for ids in new_tokens]
+            for i, ids in zip(batch, new_tokens, strict=True):
+                replies[i] = self._reply(ids)
         return replies
 
     def _reply(self, ids: list[int]) -> Reply:
