@@ -77,8 +77,13 @@ QUALITY_DIR ?= outputs/quality
 QUALITY_VLLM := $(wildcard $(VLLM_STAMP))
 QUALITY := +model=smollm2 +experiment=smollm2_quality$(if $(QUALITY_VLLM),_vllm)
 QUALITY_DATA := $(QUALITY) data=jsonl data.path=$(QUALITY_DIR)/magpie.jsonl
+ifneq ($(QUALITY_VLLM),)
+QUALITY_SAYS := vLLM ($(VLLM_VENV)) writes 3,072 conversations and judges the drafts beside eagleforge's decoder
+else
+QUALITY_SAYS := no $(VLLM_VENV): the hf backend writes 1,024 conversations and eagleforge's decoder judges the drafts (make vllm builds the engine)
+endif
 quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that pays off (<= 60 min)
-	@echo "make quality: $(if $(QUALITY_VLLM),vLLM ($(VLLM_VENV)) writes 3,072 conversations and judges the drafts beside eagleforge's decoder,no $(VLLM_VENV): the hf backend writes 1,024 conversations and eagleforge's decoder judges the drafts (make vllm builds the engine)) ($(QUALITY))"
+	@echo "make quality: $(QUALITY_SAYS) ($(QUALITY))"
 	@# 1. the target writes prompts (Magpie) and answers them; 16 more are kept for validation
 	test -f $(QUALITY_DIR)/magpie.jsonl || $(OFFLINE) $(PY) -m eagleforge.regenerate $(QUALITY) \
 		regenerate.output=$(QUALITY_DIR)/magpie.jsonl

@@ -189,3 +189,33 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:  # a process that ended meanwhile
         return b""
+
+
+@pytest.mark.slow
+def test_capture_through_vllm_in_bf16_is_within_bf16_rounding(
+    engine_env: Path, tmp_path: Path
+) -> None:
+    """In bf16 the two captures differ by rounding: vLLM's bf16 states are no farther from
+    transformers' bf16 states than those are from transformers' fp32 states (the rounding
+    that bf16 itself costs), position by position, aux and final alike."""
+    from eagleforge.data.features import FeatureDataset
+    from helpers.runs import prepare_store
+
+    data = ("+model=smollm2", "data=chitchat", "data.max_num_samples=24", "data.num_eval_samples=2",
+            "data.max_length=96", "prepare.samples_per_shard=8", "prepare.batch_size=8")  # fmt: skip
+    runs = {"hf32": ("target=hf", "model.dtype=float32"), "hf16": ("target=hf", "model.dtype=bfloat16"),
+            "vllm16": ("target=vllm", "model.dtype=bfloat16", *ENGINE_OVERRIDES)}  # fmt: skip
+    stores = {
+        name: FeatureDataset(prepare_store(tmp_path / name, *data, *extra) / "train")
+        for name, extra in runs.items()
+    }
+    assert len(stores["hf32"]) == len(stores["hf16"]) == len(stores["vllm16"]) > 0
+    for i in range(len(stores["hf32"])):
+        ref, hf, vllm = (stores[name][i] for name in ("hf32", "hf16", "vllm16"))
+        assert ref[0] == hf[0] == vllm[0]  # the same tokens
+        for k in (2, 3):  # aux, final
+            exact = ref[k].float()
+            bf16_cost = (hf[k].float() - exact).norm(dim=-1) / exact.norm(dim=-1)
+            between = (vllm[k].float() - hf[k].float()).norm(dim=-1) / exact.norm(dim=-1)
+            assert float(between.mean()) <= 2 * float(bf16_cost.mean()) + 1e-3
+            assert float(between.max()) <= 2 * float(bf16_cost.max()) + 1e-3
