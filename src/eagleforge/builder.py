@@ -49,7 +49,7 @@ from eagleforge.parallel.tp import tp_axis
 from eagleforge.parallel.usp import SequenceParallel, USPBackend, check_heads, shard_sequence
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.speculative.prompts import PromptRenderer
-from eagleforge.targets.base import TargetBackend
+from eagleforge.targets.base import TargetBackend, release
 from eagleforge.targets.head import HeadOnlyTarget
 from eagleforge.targets.registry import build_hf_target, build_target
 from eagleforge.targets.source import (
@@ -229,6 +229,10 @@ class TrainBatches:
             torch.arange(len(draft.d2t), device=world.device)
         )
         self.t2d_V = draft.t2d
+
+    def close(self) -> None:
+        """Stop what the target runs outside this process (target=vllm: its engine)."""
+        release(self.inputs.target)
 
     def _loader(
         self, dataset: Any, shuffle_seed: int | None, start: int = 0

@@ -40,7 +40,7 @@ from eagleforge.engine.server import engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
-from eagleforge.targets.base import TargetBackend
+from eagleforge.targets.base import TargetBackend, release
 from eagleforge.targets.config import TargetBackendKind
 from eagleforge.targets.registry import build_target
 from eagleforge.targets.source import (
@@ -175,9 +175,7 @@ def run(config: EagleForgeConfig) -> Path:
         try:
             return _capture(config, out, model_dir, data, dtype, target, processor)
         finally:
-            close = getattr(target, "close", None)  # target=vllm: stop its engine
-            if close is not None:
-                close()
+            release(target)
 
 
 def _capture(

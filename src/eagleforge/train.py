@@ -28,6 +28,7 @@ from eagleforge.parallel.launch import is_main_process
 from eagleforge.preflight import check_inputs
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.report import plot_tau_by_step
+from eagleforge.targets.base import release
 from eagleforge.tracking import (
     MLflowTracker,
     Tracker,
@@ -55,7 +56,10 @@ def run(cfg: DictConfig) -> TrainResult:
 def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult:
     parts = build(cfg, config, world)
     trainer = Trainer(config.trainer, parts)
-    result = trainer.train()
+    try:
+        result = trainer.train()
+    finally:
+        release(parts.batches)  # target=vllm: its engine stops with the run, not the process
     tracker, output_dir = parts.tracker, parts.output_dir
     if trainer.profiler is not None:
         report_profile(trainer.profiler, world, tracker)

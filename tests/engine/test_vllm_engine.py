@@ -131,7 +131,9 @@ def test_capture_through_vllm_matches_the_hf_capture(engine_env: Path, tmp_path:
     assert (tmp_path / "vllm" / "features" / "vllm.log").is_file()  # the engine logged there
     hf, vllm = (FeatureDataset(stores[b] / "train") for b in ("hf", "vllm"))
     assert len(hf) == len(vllm) > 0
-    manifests = [json.loads((stores[b] / "manifest.json").read_text()) for b in ("hf", "vllm")]
+    manifests = [
+        json.loads((stores[b] / "train" / "manifest.json").read_text()) for b in ("hf", "vllm")
+    ]
     assert manifests[0] == manifests[1]  # the same data, target, layers and dtype
     for i in range(len(hf)):
         (ids, mask, aux, final), (ids_v, mask_v, aux_v, final_v) = hf[i], vllm[i]

@@ -71,6 +71,14 @@ class TargetBackend(Protocol):
         ...
 
 
+def release(target: object) -> None:
+    """Call ``close()`` where it exists: what a backend, or what holds one, runs outside this
+    process (target=vllm: its engine) stops."""
+    close = getattr(target, "close", None)
+    if close is not None:
+        close()
+
+
 def refuse_images(
     backend: str, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None
 ) -> None:
