@@ -267,9 +267,14 @@ def report_sets(summaries: list[Summary], eval_dir: Path, tracker: Tracker) -> N
     tracker.log_artifact(plot_tau_by_set(summaries, eval_dir / "tau_by_set.png"))
 
 
+def target_dtype(config: EagleForgeConfig) -> torch.dtype:
+    """model.dtype resolved for this machine (``auto``: bf16 on CUDA, fp32 on a CPU)."""
+    return config.model.dtype.torch_dtype(resolve_device(config.parallel))
+
+
 def inexact_note(config: EagleForgeConfig) -> str:
     """Why greedy speculative outputs may differ from the target alone's (only in bf16/fp16)."""
-    dtype = config.model.dtype.torch_dtype(resolve_device(config.parallel))
+    dtype = target_dtype(config)
     if dtype == torch.float32:
         return (
             "greedy outputs differ from the target alone's in float32, where they must not: "
@@ -286,7 +291,7 @@ def inexact_note(config: EagleForgeConfig) -> str:
 def engine_dtype(config: EagleForgeConfig) -> str:
     """The dtype the vLLM engine runs in: vllm.dtype, or the target's model.dtype (``auto``
     as on this machine: bf16 on CUDA, fp32 on a CPU, as eagleforge's own target)."""
-    model_dtype = config.model.dtype.torch_dtype(resolve_device(config.parallel))
+    model_dtype = target_dtype(config)
     return config.vllm.dtype_for(str(model_dtype).removeprefix("torch."))
 
 

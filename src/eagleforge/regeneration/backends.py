@@ -156,16 +156,15 @@ class HFBackend:
             self.tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True)
             for h in histories
         ]
+        ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         # batches of similar lengths: one long prompt pads its whole batch (64 chitchat turns
         # padded to 329 tokens answer at 125 tokens/s, 64 of one length at 472)
-        lengths = [len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in rendered]
-        order = sorted(range(len(rendered)), key=lengths.__getitem__)
-        replies: list[Reply | RequestFailed] = [RequestFailed("not generated")] * len(order)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        replies: dict[int, Reply | RequestFailed] = {}
         for start in range(0, len(order), self.cfg.batch_size):
             batch = order[start : start + self.cfg.batch_size]
-            prompts = [rendered[i] for i in batch]
-            inputs = self.tokenizer(
-                prompts, return_tensors="pt", padding=True, add_special_tokens=False
+            inputs = self.tokenizer.pad(
+                {"input_ids": [ids[i] for i in batch]}, return_tensors="pt"
             ).to(self.device)
             sampling = self.cfg.temperature > 0
             output = self.model.generate(
@@ -178,9 +177,9 @@ class HFBackend:
                 pad_token_id=self.tokenizer.pad_token_id,
             )
             new_tokens = output[:, inputs["input_ids"].shape[1] :].tolist()
-            for i, ids in zip(batch, new_tokens, strict=True):
-                replies[i] = self._reply(ids)
-        return replies
+            for i, row in zip(batch, new_tokens, strict=True):
+                replies[i] = self._reply(row)
+        return [replies[i] for i in range(len(ids))]
 
     def _reply(self, ids: list[int]) -> Reply:
         """One row of new tokens as a reply: a row that ends in an ordinary token was cut at

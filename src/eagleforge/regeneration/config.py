@@ -31,7 +31,7 @@ class MagpieConfig:
     top_p: float = 0.95
     # Candidates a step: the top_k most likely tokens (0 = the whole vocabulary). The top_p
     # nucleus is cut to them, its probabilities still over the whole vocabulary. vLLM sorts the
-    # whole vocabulary of every row at every step when top_p < 1 (2.3x slower on a CPU, 128 in
+    # whole vocabulary of every row at every step when top_p < 1 (2.4x slower on a CPU, 128 in
     # flight), and not for top_k alone: top_p=1 samples the same top_k there and here.
     top_k: int = 256
     # Tokens per prompt at most; a prompt the target has not ended by then is dropped.
