@@ -10,8 +10,18 @@ from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
 from eagleforge.targets.hf import HFTarget
 
+# EAGLE-3.1's switches, one at a time and together (fc_norm and norm_before_fc exclude each other)
+EAGLE31_VARIANTS = {
+    "eagle3": {},
+    "fc_norm": {"fc_norm": True},
+    "norm_before_fc": {"norm_before_fc": True},
+    "norm_output": {"norm_output": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "all": {"fc_norm": True, "norm_output": True, "norm_before_residual": True},
+}
 
-def tiny_arch() -> DraftArchitecture:
+
+def tiny_arch(**switches: bool) -> DraftArchitecture:
     return DraftArchitecture(
         hidden_size=16,
         intermediate_size=32,
@@ -25,15 +35,23 @@ def tiny_arch() -> DraftArchitecture:
         draft_vocab_size=20,
         target_hidden_size=12,
         aux_layer_ids=[1, 2, 3],
+        **switches,
     )
 
 
-def tiny_draft(seed: int = 0) -> Eagle3Draft:
-    """Random weights (std 0.3), a random embedding and a random sorted draft vocabulary."""
-    arch = tiny_arch()
+def tiny_draft(seed: int = 0, **switches: bool) -> Eagle3Draft:
+    """Random weights (std 0.3), a random embedding and a random sorted draft vocabulary;
+    EAGLE-3.1's ``switches`` add norms whose weights are random too (never the ones a
+    skipped norm would pass for)."""
+    arch = tiny_arch(**switches)
     generator = torch.Generator().manual_seed(seed)
     draft = Eagle3Draft(arch)
     draft.init_weights(0.3, generator)
+    if switches:
+        with torch.no_grad():
+            for name, param in draft.named_parameters():
+                if "norm" in name and param.ndim == 1:
+                    param.add_(0.3 * torch.randn(param.shape, generator=generator))
     draft.load_embedding(torch.randn(arch.vocab_size, arch.hidden_size, generator=generator))
     kept = torch.sort(
         torch.randperm(arch.vocab_size, generator=generator)[: arch.draft_vocab_size]

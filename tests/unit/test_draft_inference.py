@@ -10,21 +10,22 @@ from eagleforge.batch import shift_left
 from eagleforge.draft.model import AttentionBackend
 from eagleforge.draft.ttt import draft_step
 from eagleforge.speculative.runners import DraftRunner
-from helpers.drafts import tiny_draft
+from helpers.drafts import EAGLE31_VARIANTS, tiny_draft
 
 pytestmark = pytest.mark.unit
 
 
+@pytest.mark.parametrize("variant", list(EAGLE31_VARIANTS))
 @pytest.mark.parametrize("committed", [1, 5, 9])
-def test_cached_chain_equals_the_training_time_test(committed: int) -> None:
-    draft = tiny_draft(seed=4).eval()
+def test_cached_chain_equals_the_training_time_test(committed: int, variant: str) -> None:
+    draft = tiny_draft(seed=4, **EAGLE31_VARIANTS[variant]).eval()
     generator = torch.Generator().manual_seed(committed)
     seq, steps = 12, 3
     ids = torch.randint(0, draft.arch.vocab_size, (1, seq), generator=generator)
     aux = torch.randn(1, seq, 3 * draft.arch.target_hidden_size, generator=generator)
     with torch.no_grad():
         # the TTT, as in training: step i at position t reads x_{t+1+i}
-        hidden = draft.fc(aux)
+        hidden = draft.fuse(aux)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         ttt_outputs = []

@@ -12,9 +12,7 @@ import torch
 from eagleforge.batch import Teacher, TTTBatch, shift_left
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import count_positions, counted_positions, draft_step, ttt_forward
-from helpers.drafts import (
-    tiny_draft,
-)
+from helpers.drafts import EAGLE31_VARIANTS, tiny_draft
 
 pytestmark = pytest.mark.unit
 
@@ -217,6 +215,23 @@ def _rope(vec: torch.Tensor, position: int, theta: float) -> torch.Tensor:
     return out
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean() + eps) * weight
+
+
+def _fused(draft: Eagle3Draft, aux: torch.Tensor) -> torch.Tensor:
+    """fc of one position's aux features after EAGLE-3.1's norms, as vLLM's
+    ``combine_hidden_states`` applies them: input_norm over all, then fc_norm per layer."""
+    eps = draft.arch.rms_norm_eps
+    if draft.input_norm is not None:
+        aux = _rms(aux, draft.input_norm.weight, eps)
+    if draft.fc_norm is not None:
+        aux = torch.cat(
+            [_rms(x, n.weight, eps) for n, x in zip(draft.fc_norm, aux.chunk(3), strict=True)]
+        )
+    return draft.fc(aux)
+
+
 @torch.no_grad()
 def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> list[float]:
     arch = draft.arch
@@ -226,7 +241,7 @@ def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
     bsz, seq = batch.input_ids_BT.shape
     ids = batch.input_ids_BT.tolist()
     valid = batch.valid_BT.tolist()
-    hidden = [[draft.fc(batch.aux_BTA[b, t]) for t in range(seq)] for b in range(bsz)]
+    hidden = [[_fused(draft, batch.aux_BTA[b, t]) for t in range(seq)] for b in range(bsz)]
     keys: list[list[list[torch.Tensor]]] = []  # [step][b][t] -> [K, D]
     vals: list[list[list[torch.Tensor]]] = []
     sums = []
@@ -272,8 +287,14 @@ def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
                             for w, (j, s) in zip(weights, allowed, strict=True)
                         )
                     )
-                h = hidden[b][t] + attn.o_proj(torch.cat(heads))
-                new_hidden[b][t] = h + layer.mlp(layer.post_attention_layernorm(h))
+                residual = hidden[b][t]
+                if arch.norm_before_residual:
+                    residual = _rms(residual, layer.hidden_norm.weight, arch.rms_norm_eps)
+                h = residual + attn.o_proj(torch.cat(heads))
+                out = h + layer.mlp(layer.post_attention_layernorm(h))
+                if arch.norm_output:  # the next step reads the final norm's output
+                    out = _rms(out, draft.norm.weight, arch.rms_norm_eps)
+                new_hidden[b][t] = out
         hidden = new_hidden
         total = 0.0
         length = [sum(row) for row in valid]
@@ -286,7 +307,8 @@ def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
                     and batch.teacher.in_draft_BT[b, t + 1 + step]
                 ):
                     continue
-                log_probs = torch.log_softmax(draft.lm_head(draft.norm(hidden[b][t])).double(), -1)
+                normed = hidden[b][t] if arch.norm_output else draft.norm(hidden[b][t])
+                log_probs = torch.log_softmax(draft.lm_head(normed).double(), -1)
                 total += float(
                     -(batch.teacher.probs_BTW[b, t + 1 + step].double() * log_probs).sum()
                 )
@@ -295,11 +317,13 @@ def _reference_loss_sums(draft: Eagle3Draft, batch: TTTBatch, steps: int) -> lis
 
 
 @torch.no_grad()
-def test_ttt_forward_matches_loop_reference() -> None:
+@pytest.mark.parametrize("variant", list(EAGLE31_VARIANTS))
+def test_ttt_forward_matches_loop_reference(variant: str) -> None:
     """ttt_forward's per-step loss sums equal a from-scratch loop implementation of DESIGN.md
-    (token x_{t+1+i}, RoPE position t+i, step-0 causal keys + diagonal keys, hidden carried on)."""
+    (token x_{t+1+i}, RoPE position t+i, step-0 causal keys + diagonal keys, hidden carried on),
+    with EAGLE-3.1's norms where vLLM's llama_eagle3 puts them."""
     steps = 3
-    draft = tiny_draft(seed=5)
+    draft = tiny_draft(seed=5, **EAGLE31_VARIANTS[variant])
     batch = aligned_batch(seed=7)
     stats = ttt_forward(draft, batch, steps)
     expected = _reference_loss_sums(draft, batch, steps)

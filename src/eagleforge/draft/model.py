@@ -72,6 +72,18 @@ class DraftConfig:
     # Recompute each TTT step's MLP in backward instead of keeping its [T, intermediate]
     # activations: about 3% more step FLOPs for about 4 fewer such tensors per step.
     recompute_mlp: bool = True
+    # EAGLE-3.1 (arXiv 2605.09992), exactly as vLLM's and SGLang's llama_eagle3 run them:
+    # one RMSNorm per aux layer's state before fc (tensors fc_norm.{0,1,2}.weight).
+    fc_norm: bool = False
+    # One RMSNorm over the concatenated aux states before fc (tensor input_norm.weight, 3x the
+    # target hidden wide; speculators' gpt-oss style); excludes fc_norm.
+    norm_before_fc: bool = False
+    # The hidden state carried to the next draft step is the final norm's output, not its
+    # input (the lm_head reads the same normed state either way).
+    norm_output: bool = False
+    # The decoder layer's residual is hidden_norm(h) rather than h. vLLM honours it; SGLang's
+    # llama_eagle3 always adds the raw h, so `export --check` refuses it for SGLang.
+    norm_before_residual: bool = False
 
     def attention_for(self, device: torch.device) -> AttentionBackend:
         """The backend to run on ``device``; ConfigError where the chosen one cannot run."""
@@ -100,6 +112,11 @@ class DraftConfig:
         if not 0.0 < self.step_weight_decay <= 1.0:
             raise ConfigError(
                 f"draft.step_weight_decay must be in (0, 1], got {self.step_weight_decay}."
+            )
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError(
+                "draft.fc_norm and draft.norm_before_fc are two ways to normalise fc's input "
+                "(one norm per aux layer, or one over their concatenation); set one of them."
             )
         if self.compile and self.attention == AttentionBackend.usp:
             raise ConfigError(
@@ -133,6 +150,12 @@ class DraftArchitecture:
     attention_bias: bool = False
     target_model_type: str = "llama"
     extra: dict[str, Any] = field(default_factory=dict)
+    # EAGLE-3.1 norms (see DraftConfig); all false is the EAGLE-3 draft every older
+    # checkpoint holds.
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
 
     @classmethod
     def from_target(
@@ -185,6 +208,10 @@ class DraftArchitecture:
             rope_scaling=None if rope_type == "default" and mrope is None else rope,
             hidden_act="silu",  # DraftMLP is SiLU-gated; the export must say what was trained
             target_model_type=getattr(text, "model_type", "llama"),
+            fc_norm=draft.fc_norm,
+            norm_before_fc=draft.norm_before_fc,
+            norm_output=draft.norm_output,
+            norm_before_residual=draft.norm_before_residual,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -295,7 +322,15 @@ class Eagle3Draft(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * arch.target_hidden_size, arch.hidden_size, bias=False)
+        aux_width = 3 * arch.target_hidden_size
+        # EAGLE-3.1's norms of fc's input, named as vLLM and SGLang load them
+        self.input_norm = RMSNorm(aux_width, arch.rms_norm_eps) if arch.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(arch.target_hidden_size, arch.rms_norm_eps) for _ in range(3))
+            if arch.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(aux_width, arch.hidden_size, bias=False)
         self.midlayer = DraftDecoderLayer(arch, recompute_mlp)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.draft_vocab_size, bias=False)
@@ -310,7 +345,7 @@ class Eagle3Draft(nn.Module):
             if name.startswith("embed_tokens"):
                 continue
             with torch.no_grad():
-                if name.endswith("norm.weight") or "layernorm" in name:
+                if "norm" in name and param.ndim == 1:  # every RMSNorm, fc_norm.{i} too
                     param.fill_(1.0)
                 elif name.endswith("bias"):
                     param.zero_()
@@ -378,6 +413,22 @@ class Eagle3Draft(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
+    def fuse(self, aux_BTA: torch.Tensor) -> torch.Tensor:
+        """The first step's hidden state [B,T,H] from the target's aux features: fc, after
+        EAGLE-3.1's norm of its input where the draft has one."""
+        aux_BTA = aux_BTA.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            aux_BTA = self.input_norm(aux_BTA)
+        if self.fc_norm is not None:
+            parts = aux_BTA.chunk(len(self.fc_norm), dim=-1)
+            aux_BTA = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts, strict=True)], -1)
+        return self.fc(aux_BTA)
+
+    def head_input(self, carried_BTH: torch.Tensor) -> torch.Tensor:
+        """What the lm_head reads from a step's carried hidden state: its final norm, which
+        a ``norm_output`` draft has applied already."""
+        return carried_BTH if self.arch.norm_output else self.norm(carried_BTH)
+
     def layer_qkv(
         self, input_ids_BT: torch.Tensor, hidden_BTH: torch.Tensor, position_ids_BT: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -394,10 +445,15 @@ class Eagle3Draft(nn.Module):
 
     def layer_output(self, hidden_BTH: torch.Tensor, attention_BTX: torch.Tensor) -> torch.Tensor:
         """Second half: o_proj of the attention output [B,T,N*D], residuals and the MLP; returns
-        the pre-norm output that feeds the next pass (``norm`` + ``lm_head`` give its logits)."""
+        the hidden state carried to the next pass: the pre-norm output, or its final norm for
+        a ``norm_output`` draft (``head_input`` + ``lm_head`` give its logits)."""
         layer = self.midlayer
-        hidden_BTH = hidden_BTH + layer.self_attn.o_proj(attention_BTX)
-        return hidden_BTH + layer.feed_forward(hidden_BTH)
+        residual_BTH = (
+            layer.hidden_norm(hidden_BTH) if self.arch.norm_before_residual else hidden_BTH
+        )
+        hidden_BTH = residual_BTH + layer.self_attn.o_proj(attention_BTX)
+        hidden_BTH = hidden_BTH + layer.feed_forward(hidden_BTH)
+        return self.norm(hidden_BTH) if self.arch.norm_output else hidden_BTH
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen embedding: what checkpoints and exports store."""

@@ -184,7 +184,7 @@ def ttt_forward(
                 "the batch: pass shard_sequence(batch, sp, ttt_length)"
             )
         attend = attention()
-    hidden_BTH = draft.fc(batch.aux_BTA[:, :span].to(draft.fc.weight.dtype))
+    hidden_BTH = draft.fuse(batch.aux_BTA[:, :span])
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     # Normed outputs at every step's counted positions, for one lm_head + loss call.
@@ -216,7 +216,7 @@ def ttt_forward(
             values,
             attend,
         )
-        normed_rows.append(draft.norm(hidden_BTH[rows, cols]))
+        normed_rows.append(draft.head_input(hidden_BTH[rows, cols]))
     teacher_n = rows_n * seq + cols_n + 1 + step_n  # rows of the teacher, halo included
     loss, loss_n, draft_argmax_n = soft_cross_entropy(
         torch.cat(normed_rows),

@@ -19,6 +19,7 @@ from eagleforge.formats.read import (
     architecture_of,
     aux_layer_ids_of,
     detect_format,
+    eagle31_switches,
     from_format,
     llama_fields,
 )
@@ -109,6 +110,7 @@ def _inspect(
             f"lm_head.weight has shape {tuple(head.shape)}, expected (draft_vocab_size "
             f"{draft_vocab}, hidden_size {hidden})"
         )
+    problems += _norm_problems(config, tensors)
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     if d2t is None or t2d is None:
         problems.append(
@@ -134,6 +136,42 @@ def _inspect(
     if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
         problems.append(f"config says torch_dtype {declared}, the weights are {next(iter(floats))}")
     return problems, config, tensors
+
+
+def _norm_problems(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """EAGLE-3.1's norms of fc's input: each switch needs its tensors, and tensors without
+    their switch are dropped by the engines (the draft would run without a norm it was
+    trained with)."""
+    switches = eagle31_switches(config)
+    width = config.get("target_hidden_size") or llama_fields(config).get("hidden_size")
+    problems = []
+    if switches["fc_norm"] and switches["norm_before_fc"]:
+        problems.append(
+            "fc_norm and norm_before_fc are both true: the engines would apply both norms, "
+            "a draft is trained with one of them"
+        )
+    expected = {
+        "input_norm.weight": (switches["norm_before_fc"], "norm_before_fc", 3),
+        **{f"fc_norm.{i}.weight": (switches["fc_norm"], "fc_norm", 1) for i in range(3)},
+    }
+    for name, (needed, switch, multiple) in expected.items():
+        tensor = tensors.get(name)
+        if needed and tensor is None:
+            problems.append(f"{switch} is true but there is no {name}")
+        elif not needed and tensor is not None:
+            problems.append(
+                f"{name} is in the weights but {switch} is false: the engines drop it and run "
+                "the draft without a norm it was trained with"
+            )
+        elif (
+            tensor is not None
+            and isinstance(width, int)
+            and tuple(tensor.shape) != (multiple * width,)
+        ):
+            problems.append(
+                f"{name} has shape {tuple(tensor.shape)}, expected ({multiple * width},)"
+            )
+    return problems
 
 
 def _vllm_ids_problem(config: dict[str, Any], layer_ids: Any) -> list[str]:

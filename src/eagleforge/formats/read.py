@@ -67,6 +67,21 @@ def aux_layer_ids_of(config: dict[str, Any]) -> Any:
     return ids
 
 
+def eagle31_switches(config: dict[str, Any]) -> dict[str, bool]:
+    """EAGLE-3.1's norm switches as the engines read them from a ``config.json``: absent
+    means false, except ``norm_before_residual`` in a speculators draft, which vLLM's
+    speculators reader takes as true when unstated."""
+    eagle = config.get("eagle_config") or {}
+    unstated_residual = detect_format(config) == DraftFormat.speculators
+    return {
+        "norm_before_residual": bool(config.get("norm_before_residual", unstated_residual)),
+        # vLLM looks in eagle_config first (NVIDIA's checkpoints keep it there)
+        "norm_before_fc": bool(eagle.get("norm_before_fc", config.get("norm_before_fc", False))),
+        "fc_norm": bool(config.get("fc_norm", False)),
+        "norm_output": bool(config.get("norm_output", False)),
+    }
+
+
 def architecture_of(config: dict[str, Any]) -> DraftArchitecture:
     """The architecture a draft's ``config.json`` describes, in any format."""
     layer = llama_fields(config)
@@ -87,4 +102,5 @@ def architecture_of(config: dict[str, Any]) -> DraftArchitecture:
         hidden_act=layer.get("hidden_act", "silu"),
         attention_bias=layer.get("attention_bias", False),
         target_model_type=config.get("eagleforge", {}).get("target_model_type", "llama"),
+        **eagle31_switches(config),
     )

@@ -55,7 +55,21 @@ def sglang_config(arch: DraftArchitecture, dtype: torch.dtype) -> dict[str, Any]
         "eagle_aux_hidden_state_layer_ids": [
             i + DraftFormat.vllm.layer_id_offset for i in arch.aux_layer_ids
         ],
+        # EAGLE-3.1's switches, at the top level where vLLM's and SGLang's llama_eagle3 read
+        # them (both default them to false; vLLM's speculators reader defaults
+        # norm_before_residual to true, so every format states all four)
+        **eagle31_fields(arch),
         "eagleforge": {"target_model_type": arch.target_model_type},
+    }
+
+
+def eagle31_fields(arch: DraftArchitecture) -> dict[str, bool]:
+    """The four norm switches of an EAGLE-3(.1) draft, as its config.json states them."""
+    return {
+        "norm_before_residual": arch.norm_before_residual,
+        "norm_before_fc": arch.norm_before_fc,
+        "fc_norm": arch.fc_norm,
+        "norm_output": arch.norm_output,
     }
 
 
@@ -118,7 +132,7 @@ def draft_config(
     eagle = {
         "draft_vocab_size": arch.draft_vocab_size,
         "target_hidden_size": arch.target_hidden_size,
-        "norm_before_residual": False,  # the residual is the un-normed hidden state
+        **eagle31_fields(arch),
         "eagle_aux_hidden_state_layer_ids": layer_ids,
     }
     del config["eagle_config"]

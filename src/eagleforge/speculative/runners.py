@@ -213,7 +213,7 @@ class DraftRunner:
         self, tokens_M: torch.Tensor, features_MA: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Feed committed positions (token x_{t+1}, features f_t); returns outputs [M, H]."""
-        hidden = self.draft.fc(features_MA.to(self.draft.fc.weight.dtype))
+        hidden = self.draft.fuse(features_MA)
         causal = torch.ones(len(tokens_M), len(tokens_M), dtype=torch.bool).tril()
         out, k, v = self.attend(tokens_M, hidden, positions, None, causal.to(tokens_M.device))
         self.cached = self._write(k, v)  # committed
@@ -221,5 +221,5 @@ class DraftRunner:
 
     def log_probs(self, hidden_MH: torch.Tensor, temperature: float) -> torch.Tensor:
         """Draft log-probabilities [M, W] (at ``temperature``; 1 when 0: greedy ranks)."""
-        logits = self.draft.lm_head(self.draft.norm(hidden_MH)).float()
+        logits = self.draft.lm_head(self.draft.head_input(hidden_MH)).float()
         return torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
