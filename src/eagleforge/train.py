@@ -97,6 +97,7 @@ def write_summary(result: TrainResult, path: Path) -> Path:
         "initial_eval": result.initial_eval,
         "final_eval": result.final_eval,
         "tau_by_step": result.tau_by_step,
+        "eval_by_step": result.eval_by_step,
         "best_checkpoint": str(result.best_checkpoint) if result.best_checkpoint else None,
     }
     path.write_text(json.dumps(summary, indent=2) + "\n")

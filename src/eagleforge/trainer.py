@@ -181,6 +181,8 @@ class TrainResult:
     train_losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
     tau_by_step: dict[int, float] = field(default_factory=dict)  # real τ measurements
+    # every evaluation's metrics by step (the learning curve; initial_eval is step 0's)
+    eval_by_step: dict[int, dict[str, float]] = field(default_factory=dict)
     preempted_by: int | None = None  # the signal that stopped the run early
     best_checkpoint: Path | None = None  # the checkpoint with the best real τ
     already_complete: bool = False  # resumed at its last step: nothing was done again
@@ -428,7 +430,7 @@ class Trainer:
     def _eval_and_log(self, result: TrainResult) -> dict[str, float]:
         metrics = self.evaluate()
         self.tracker.log_metrics(metrics, step=self.step)
-        result.final_eval = metrics
+        result.final_eval = result.eval_by_step[self.step] = metrics
         return metrics
 
     def _measure_tau(self, result: TrainResult) -> None:
