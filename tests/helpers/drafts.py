@@ -101,3 +101,28 @@ def random_draft(target: HFTarget, draft_vocab: int, std: float, seed: int) -> E
     t2d[:draft_vocab] = True
     draft.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
     return draft.eval()
+
+
+def lens_draft(target: HFTarget, draft_vocab: int, seed: int, **switches: bool) -> Eagle3Draft:
+    """An untrained draft for a real ``target`` that starts as its logit lens
+    (``draft.init=logit_lens``), so that some proposals are accepted; EAGLE-3.1's
+    ``switches`` add norms with random weights (an engine that skipped one would propose
+    other tokens)."""
+    arch = DraftArchitecture.from_target(
+        target.config, DraftConfig(draft_vocab_size=draft_vocab, **switches), target.aux_layer_ids
+    )
+    generator = torch.Generator().manual_seed(seed)
+    draft = Eagle3Draft(arch)
+    draft.init_weights(0.02, generator)
+    draft.load_embedding(target.input_embedding().detach())
+    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    draft.set_vocab_map(torch.zeros(draft_vocab, dtype=torch.long), t2d)
+    norm = target.final_norm_weight()
+    assert norm is not None
+    draft.init_logit_lens(norm.detach(), target.lm_head_weight().detach())
+    with torch.no_grad():
+        for module in (draft.input_norm, *(draft.fc_norm or [])):
+            if module is not None:
+                module.weight.mul_(1 + 0.2 * torch.randn(module.weight.shape, generator=generator))
+    return draft.eval()
