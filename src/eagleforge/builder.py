@@ -312,7 +312,9 @@ def ttt_module(
         arch = draft.arch
         check_heads(arch.num_attention_heads, arch.num_key_value_heads, sp.ulysses_size)
         ttt_attention = USPBackend(sp, config.draft.ttt_length)
-    module = TTTModule(draft, config.draft.ttt_length, ttt_attention, config.draft.compile)
+    module = TTTModule(
+        draft, config.draft.ttt_length, ttt_attention, config.draft.compile, loss=config.loss
+    )
     return shard_draft(module, world, config.parallel)
 
 

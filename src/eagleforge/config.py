@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from eagleforge.data.config import DataConfig
 from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
+from eagleforge.draft.loss import LossConfig
 from eagleforge.draft.model import AttentionBackend, DraftConfig
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.errors import ConfigError
@@ -51,6 +52,8 @@ class EagleForgeConfig:
     optimizer: OptimizerConfig = MISSING
     # Metrics destination.
     tracker: TrackerConfig = MISSING
+    # The draft's training loss against the teacher (kl by default; docs/losses.md).
+    loss: LossConfig = MISSING
     # The draft head and its training-time test.
     draft: DraftConfig = field(default_factory=DraftConfig)
     # Loop, eval and checkpoint cadence.

@@ -118,6 +118,7 @@ class StepSums:
     loss_sum_k: torch.Tensor
     num_counted_k: torch.Tensor
     num_correct_k: torch.Tensor
+    alpha_sum_k: torch.Tensor  # Σ expected acceptance over counted positions (TTTStats)
     num_tokens: int = 0
 
     @classmethod
@@ -126,6 +127,7 @@ class StepSums:
             torch.zeros(ttt_length, dtype=torch.float64),
             torch.zeros(ttt_length, dtype=torch.long),
             torch.zeros(ttt_length, dtype=torch.long),
+            torch.zeros(ttt_length, dtype=torch.float64),
         )
 
     def add(
@@ -133,11 +135,13 @@ class StepSums:
         loss_sum_k: torch.Tensor,
         counted_k: torch.Tensor,
         correct_k: torch.Tensor,
+        alpha_sum_k: torch.Tensor,
         tokens: int,
     ) -> None:
         self.loss_sum_k += loss_sum_k.detach().double().cpu()
         self.num_counted_k += counted_k.cpu()
         self.num_correct_k += correct_k.cpu()
+        self.alpha_sum_k += alpha_sum_k.detach().double().cpu()
         self.num_tokens += tokens
 
     def summed_over(self, world: World) -> StepSums:
@@ -150,6 +154,7 @@ class StepSums:
                 self.loss_sum_k,
                 self.num_counted_k.double(),
                 self.num_correct_k.double(),
+                self.alpha_sum_k,
                 torch.tensor([float(self.num_tokens)], dtype=torch.float64),
             ]
         )
@@ -158,6 +163,7 @@ class StepSums:
             total[:k],
             total[k : 2 * k].round().long(),
             total[2 * k : 3 * k].round().long(),
+            total[3 * k : 4 * k],
             int(total[-1].item()),
         )
 
@@ -168,6 +174,8 @@ class StepSums:
         out = {f"{prefix}/loss": float((weights_k.double() * loss_k).sum())}
         out.update({f"{prefix}/loss_{i}": float(v) for i, v in enumerate(loss_k.tolist())})
         out.update({f"{prefix}/acc_{i}": float(v) for i, v in enumerate(acc_k)})
+        alpha_k = (self.alpha_sum_k / counts).tolist()
+        out.update({f"{prefix}/alpha_{i}": float(v) for i, v in enumerate(alpha_k)})
         out[f"{prefix}/tau_sim"] = simulated_acceptance_length(acc_k)
         out[f"{prefix}/num_counted_0"] = float(self.num_counted_k[0])
         return out
@@ -365,6 +373,7 @@ class Trainer:
                 stats.loss_sum_k,
                 stats.num_counted_k,
                 stats.num_correct_k,
+                stats.alpha_sum_k,
                 int(batch.valid_BT[:, : batch.computed_length].sum()),
             )
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -388,6 +397,7 @@ class Trainer:
                 stats.loss_sum_k,
                 stats.num_counted_k,
                 stats.num_correct_k,
+                stats.alpha_sum_k,
                 int(batch.valid_BT[:, : batch.computed_length].sum()),
             )
         self.module.train()
@@ -508,7 +518,13 @@ class Trainer:
             self.step += 1
             if self.profiler is not None:
                 self.profiler.step()
-            window.add(sums.loss_sum_k, sums.num_counted_k, sums.num_correct_k, sums.num_tokens)
+            window.add(
+                sums.loss_sum_k,
+                sums.num_counted_k,
+                sums.num_correct_k,
+                sums.alpha_sum_k,
+                sums.num_tokens,
+            )
             step_metrics = sums.metrics("train", self.weights_k)
             result.train_losses.append(step_metrics["train/loss"])
             tokens_per_s = window.num_tokens / max(time.perf_counter() - window_start, 1e-9)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BASE = ["+model=tiny", "data=chitchat", "output_dir=/tmp/unused"]
-GROUPS = ["model", "data", "target", "parallel", "optimizer", "tracker", "experiment"]
+GROUPS = ["model", "data", "target", "parallel", "optimizer", "tracker", "loss", "experiment"]
 
 
 def _overrides_for(group: str, choice: str) -> list[str]:

@@ -30,7 +30,7 @@ from eagleforge.draft.attention import (
     flex_ttt_attention,
     sdpa_ttt_attention,
 )
-from eagleforge.draft.loss import soft_cross_entropy
+from eagleforge.draft.loss import LossConfig, chunked_loss
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
 
 # (q, keys, values, valid_BT, document_ids_BT) -> [B, T, N*D], as ``eager_ttt_attention``.
@@ -73,9 +73,10 @@ class TTTStats:
     """Per-step sums over one micro-batch; divide by global counts for the loss and accuracy."""
 
     loss: torch.Tensor  # Σ_i scale_i · loss_sum_i, differentiable (0 without loss scales)
-    loss_sum_k: torch.Tensor  # soft cross-entropy summed over counted positions (detached)
+    loss_sum_k: torch.Tensor  # the loss kind's value summed over counted positions (detached)
     num_counted_k: torch.Tensor  # counted positions (long)
     num_correct_k: torch.Tensor  # counted positions where d2t(argmax draft) == target argmax
+    alpha_sum_k: torch.Tensor  # expected acceptance Σ_v min(p_v, q_v) summed over counted positions
 
 
 def counted_positions(
@@ -147,11 +148,19 @@ def ttt_forward(
     attention: AttentionBackend | UnrollAttention = AttentionBackend.eager,
     compile: bool = False,
     loss_chunk_size: int | None = None,
+    loss: LossConfig | None = None,
 ) -> TTTStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts.
 
     ``loss_scale_k`` (see ``loss_scales``) multiplies each step's loss sum in the differentiable
-    ``stats.loss``; without it (evaluation) no gradients are computed.
+    ``stats.loss``; without it (evaluation) no gradients are computed. ``loss`` picks the loss
+    kind (default: kl, the soft cross-entropy).
+
+    lk_lambda's KL weight comes from each step's mean α over *this call's* counted positions
+    (this micro-batch, on this rank; under sequence parallelism this rank's chunk), as SpecForge
+    takes it per micro-batch and data-parallel rank; the loss terms themselves keep the global
+    normalisation of ``loss_scale_k``. So it is SpecForge's LK-λ exactly for one micro-batch on
+    one rank, and otherwise a token-weighted sum of per-micro-batch LK-λ terms.
 
     ``attention`` is a backend of ``draft/attention.py`` or, for sequence parallelism, the
     ``USPBackend`` of ``parallel/usp.py``: the batch is then this rank's chunk
@@ -218,25 +227,28 @@ def ttt_forward(
         )
         normed_rows.append(draft.head_input(hidden_BTH[rows, cols]))
     teacher_n = rows_n * seq + cols_n + 1 + step_n  # rows of the teacher, halo included
-    loss, loss_n, draft_argmax_n = soft_cross_entropy(
+    out = chunked_loss(
         torch.cat(normed_rows),
         draft.lm_head.weight,
         teacher.probs_BTW.flatten(0, 1),
         teacher_n,
         None if loss_scale_k is None else loss_scale_k.to(step_n.device)[step_n],
         loss_chunk_size,
+        loss,
+        step_n,
+        ttt_length,
     )
     correct_n = (
-        draft.draft_to_target_ids(draft_argmax_n) == teacher.target_ids_BT.flatten()[teacher_n]
+        draft.draft_to_target_ids(out.argmax_n) == teacher.target_ids_BT.flatten()[teacher_n]
     )
     per_step = torch.zeros(ttt_length, dtype=torch.long, device=step_n.device)
+    per_step_sum = torch.zeros(ttt_length, dtype=out.loss_n.dtype, device=step_n.device)
     return TTTStats(
-        loss=loss,
-        loss_sum_k=torch.zeros(ttt_length, dtype=loss_n.dtype, device=step_n.device).index_add_(
-            0, step_n, loss_n
-        ),
+        loss=out.weighted,
+        loss_sum_k=per_step_sum.index_add(0, step_n, out.loss_n),
         num_counted_k=per_step.index_add(0, step_n, torch.ones_like(step_n)),
         num_correct_k=per_step.index_add(0, step_n, correct_n.long()),
+        alpha_sum_k=per_step_sum.index_add(0, step_n, out.alpha_n),
     )
 
 
@@ -273,16 +285,18 @@ class TTTModule(nn.Module):
         ttt_length: int,
         attention: AttentionBackend | UnrollAttention,
         compile: bool = False,
+        loss: LossConfig | None = None,
         **ttt_options: Any,
     ) -> None:
         super().__init__()
         self.draft = draft
         self.ttt_length, self.attention, self.use_compile = ttt_length, attention, compile
+        self.loss = loss if loss is not None else LossConfig()
         self.ttt_options = ttt_options
 
     def forward(
         self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # A tuple of tensors, not TTTStats: FSDP2 hooks the backward through the outputs it
         # can flatten.
         stats = ttt_forward(
@@ -292,9 +306,16 @@ class TTTModule(nn.Module):
             loss_scale_k,
             attention=self.attention,
             compile=self.use_compile,
+            loss=self.loss,
             **self.ttt_options,
         )
-        return stats.loss, stats.loss_sum_k, stats.num_counted_k, stats.num_correct_k
+        return (
+            stats.loss,
+            stats.loss_sum_k,
+            stats.num_counted_k,
+            stats.num_correct_k,
+            stats.alpha_sum_k,
+        )
 
     def stats(self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
         return TTTStats(*self(batch, loss_scale_k))
