@@ -1,6 +1,6 @@
-"""The `optimizer` config section: AdamW, 8-bit AdamW or APOLLO, with linear warmup + cosine
-decay and gradient clipping shared by all three; and the dtype the trainable draft weights are
-kept in (``fp32_master``). See docs/optimizers.md.
+"""The `optimizer` config section: AdamW, 8-bit AdamW, APOLLO or Muon (with AdamW, ``muon.py``),
+with linear warmup + cosine decay and gradient clipping shared by all four; and the dtype the
+trainable draft weights are kept in (``fp32_master``). See docs/optimizers.md.
 
 Only trainable draft parameters are optimised (the embedding copied from the target is frozen).
 """
@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from eagleforge.errors import ConfigError
+from eagleforge.muon import MuonConfig, make_muon
 
 OPTIM_EXTRA = "pip install 'eagleforge[optim]'"
 
@@ -24,6 +25,7 @@ class OptimizerKind(str, Enum):
     adamw = "adamw"  # torch.optim.AdamW
     adamw_8bit = "adamw_8bit"  # bitsandbytes AdamW8bit: 8-bit block-quantised Adam moments
     apollo = "apollo"  # apollo-torch APOLLOAdamW: Adam moments in a random low-rank space
+    muon = "muon"  # torch.optim.Muon for the matrices, torch.optim.AdamW for the rest
 
 
 class ApolloScaleType(str, Enum):
@@ -83,15 +85,15 @@ class ApolloConfig:
 class OptimizerConfig:
     """The `optimizer` config section."""
 
-    # Optimizer algorithm: adamw, adamw_8bit (bitsandbytes) or apollo (apollo-torch).
+    # Optimizer algorithm: adamw, adamw_8bit (bitsandbytes), apollo (apollo-torch) or muon.
     kind: OptimizerKind = OptimizerKind.adamw
-    # Peak learning rate (reached at the end of warmup).
+    # Peak learning rate (reached at the end of warmup); with muon, the AdamW group's.
     lr: float = 1e-4
     # Adam betas.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # Adam epsilon.
     eps: float = 1e-8
-    # Decoupled weight decay (per step, times lr).
+    # Decoupled weight decay (per step, times lr); with muon, the AdamW group's.
     weight_decay: float = 0.0
     # Fraction of the optimizer steps spent in linear warmup from 0.
     warmup_ratio: float = 0.015
@@ -105,6 +107,8 @@ class OptimizerConfig:
     fp32_master: bool = True
     # APOLLO's options (kind: apollo only).
     apollo: ApolloConfig = field(default_factory=ApolloConfig)
+    # Muon's options (kind: muon only).
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -185,8 +189,11 @@ def _apollo_groups(cfg: ApolloConfig, params: list[torch.nn.Parameter]) -> list[
     return [group for group in ({"params": others}, low_rank) if group["params"]]
 
 
-def make_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.kind`` names, over ``params`` (the trainable ones)."""
+def make_optimizer(
+    cfg: OptimizerConfig, named_params: list[tuple[str, torch.nn.Parameter]]
+) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.kind`` names, over ``named_params`` (the trainable ones)."""
+    params = [p for _, p in named_params]
     betas = (cfg.betas[0], cfg.betas[1])
     common: dict[str, Any] = {
         "lr": cfg.lr,
@@ -198,6 +205,8 @@ def make_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter]) -> to
         return torch.optim.AdamW(
             params, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay
         )
+    if cfg.kind == OptimizerKind.muon:
+        return make_muon(cfg.muon, named_params, cfg.lr, common)
     sharded = [p for p in params if isinstance(p, DTensor)]
     if sharded:
         # Neither library handles DTensors: their updates mix the sharded parameter with plain
@@ -284,8 +293,8 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The optimizer over the trainable parameters and its warmup + cosine schedule (the same
     for every kind; gradient clipping at ``cfg.max_grad_norm`` is the trainer's)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(cfg, params)
+    named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = make_optimizer(cfg, named_params)
     warmup_steps = int(cfg.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, total_steps, warmup_steps, cfg.min_lr_ratio)

@@ -58,6 +58,26 @@ def test_resumed_run_is_bit_identical(tmp_path: Path, packing: str) -> None:
     assert resumed.final_eval == full.final_eval
 
 
+def test_muon_resumed_run_is_bit_identical(tmp_path: Path) -> None:
+    """optimizer=muon (Muon's momentum buffers and AdamW's moments in one optimizer state,
+    through torch.distributed.checkpoint's state dicts): 6 steps, or 2, a stop, and 4 more from
+    the step-2 checkpoint, end in the same weights, bit for bit."""
+    full = run(compose_config(overrides(tmp_path, "full", "optimizer=muon")))
+    resumed_dir = tmp_path / "resumed" / "checkpoints"
+    resumed_dir.mkdir(parents=True)
+    step_2 = tmp_path / "full" / "checkpoints" / "step_00000002"
+    saved = torch.load(step_2 / TRAINING_STATE, weights_only=True)["optimizer"]["state"]
+    assert saved["draft.fc.weight"].keys() == {"momentum_buffer"}  # Muon's
+    assert saved["draft.lm_head.weight"].keys() == {"step", "exp_avg", "exp_avg_sq"}  # AdamW's
+    shutil.copytree(step_2, resumed_dir / step_2.name)
+    resumed = run(compose_config(overrides(tmp_path, "resumed", "optimizer=muon")))
+    assert resumed.step == full.step == 6
+    assert resumed.train_losses == full.train_losses[2:]  # steps 3..6, bit for bit
+    final_full, final_resumed = weights(full.checkpoint), weights(resumed.checkpoint)
+    assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
+    assert not torch.equal(final_full["fc.weight"], weights(step_2)["fc.weight"])  # it trained
+
+
 def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
     first = run(compose_config(overrides(tmp_path, "run", "trainer.max_num_steps=2")))
     fresh = run(
@@ -66,6 +86,7 @@ def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
         )
     )
     assert fresh.train_losses == first.train_losses  # started over, same seed
+    assert first.checkpoint is not None
     (first.checkpoint / TRAINING_STATE).write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match=r"every checkpoint is corrupt \(step_00000002: "
                        r"training_state.pt does not match its checksum"):  # fmt: skip
@@ -210,6 +231,7 @@ def test_rerunning_a_finished_run_does_nothing_and_names_its_checkpoint(tmp_path
     assert "eval/" not in output and "train/loss" not in output  # no step, no eval again
     assert "None" not in output
     assert summary_path.read_text() == summary  # the finished run's record stays
+    assert first.checkpoint is not None
     assert sorted(p.name for p in first.checkpoint.parent.iterdir()) == ["step_00000002"]
     # killed between its last save and writing the summary: the rerun writes one, evaluates
     # nothing

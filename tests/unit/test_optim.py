@@ -1,8 +1,10 @@
 """The learning-rate schedule (linear warmup, then cosine to min_lr_ratio), the optimizer
-config's validation, the three optimizer kinds and fp32 master weights on the tiny draft."""
+config's validation, the four optimizer kinds (Muon's groups and its steps against torch's own
+Muon and AdamW, also sharded) and fp32 master weights on the tiny draft."""
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from eagleforge.config import compose_config, to_typed
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
 from eagleforge.draft.ttt import TTTModule, count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.errors import ConfigError
+from eagleforge.muon import ADAMW, ALGORITHM, MUON, MuonConfig, MuonLrAdjust, split_for_muon
 from eagleforge.optim import (
     ApolloConfig,
     ApolloScaleType,
@@ -267,7 +270,7 @@ def test_apollo_config_errors_name_the_field(kwargs: dict, field: str) -> None:
         ApolloConfig(**kwargs)
 
 
-@pytest.mark.parametrize("choice", ["adamw", "adamw_8bit", "apollo"])
+@pytest.mark.parametrize("choice", ["adamw", "adamw_8bit", "apollo", "muon"])
 def test_optimizer_group_files(choice: str) -> None:
     """Each conf/optimizer file picks its kind and keeps adamw.yaml's shared settings."""
     typed = to_typed(compose_config(["+model=tiny", f"optimizer={choice}", "output_dir=/tmp/x"]))
@@ -276,6 +279,8 @@ def test_optimizer_group_files(choice: str) -> None:
     assert typed.optimizer.max_grad_norm == 0.5 and typed.optimizer.lr == 1e-4
     if choice == "apollo":
         assert typed.optimizer.apollo == ApolloConfig()
+    if choice == "muon":  # the file's Muon settings are the dataclass defaults
+        assert typed.optimizer.muon == MuonConfig()
 
 
 @pytest.mark.parametrize("fp32_master", [True, False])
@@ -341,5 +346,253 @@ def test_8bit_and_apollo_refuse_a_sharded_draft(kind: OptimizerKind, tmp_path: P
             build_optimizer(OptimizerConfig(kind=kind), model, 10)
         optimizer, _ = build_optimizer(OptimizerConfig(), model, 10)  # adamw handles DTensors
         assert type(optimizer) is torch.optim.AdamW
+    finally:
+        dist.destroy_process_group()
+
+
+# --- muon -------------------------------------------------------------------------------------
+
+MATRICES = [
+    "fc.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+]
+NORMS = [
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+]
+
+
+def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_muon_groups_matrices_and_the_rest(lm_head: bool) -> None:
+    """Muon gets the trainable matrices (lm_head only with muon.lm_head), AdamW the norms (and
+    lm_head); the frozen embedding neither. Names may carry the TTTModule's prefix."""
+    cfg = MuonConfig(lm_head=lm_head)
+    muon, adamw = split_for_muon(cfg, _trainable(tiny_draft()))
+    assert list(muon) == MATRICES + (["lm_head.weight"] if lm_head else [])
+    assert sorted(adamw) == sorted(NORMS + ([] if lm_head else ["lm_head.weight"]))
+    module = TTTModule(tiny_draft(), 2, AttentionBackend.eager)
+    optimizer, _ = build_optimizer(
+        OptimizerConfig(kind=OptimizerKind.muon, muon=cfg), module, total_steps=10
+    )
+    names = {id(p): n for n, p in module.named_parameters()}
+    by_algorithm = {
+        group[ALGORITHM]: [names[id(p)].removeprefix("draft.") for p in group["params"]]
+        for group in optimizer.param_groups
+    }
+    assert by_algorithm == {MUON: list(muon), ADAMW: list(adamw)}
+
+
+def test_muon_leaves_vectors_shaped_as_matrices_and_embeddings_to_adamw() -> None:
+    """A [1, N] or [N, 1] weight has nothing to orthogonalise; an embedding (trainable here) is
+    a lookup table: both go to AdamW, as in speculators."""
+    model = torch.nn.ModuleDict(
+        {
+            "row": torch.nn.Linear(4, 1),
+            "embed_tokens": torch.nn.Embedding(10, 4),
+            "proj": torch.nn.Linear(4, 3, bias=False),
+        }
+    )
+    muon, adamw = split_for_muon(MuonConfig(lm_head=True), _trainable(model))
+    assert list(muon) == ["proj.weight"]
+    assert list(adamw) == ["row.weight", "row.bias", "embed_tokens.weight"]
+
+
+def _set_grads(params: list[torch.nn.Parameter], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+
+
+@pytest.mark.parametrize(
+    ("adjust_lr_fn", "nesterov", "lm_head", "fp32_master"),
+    [
+        (MuonLrAdjust.match_rms_adamw, True, False, True),
+        (MuonLrAdjust.original, False, True, True),
+        (MuonLrAdjust.match_rms_adamw, True, True, False),
+    ],
+)
+def test_muon_steps_are_torch_muon_and_adamw_on_the_same_groups(
+    adjust_lr_fn: MuonLrAdjust, nesterov: bool, lm_head: bool, fp32_master: bool
+) -> None:
+    """Three steps of optimizer=muon leave bit for bit the weights that torch.optim.Muon (at
+    lr * lr_ratio, with the muon options) and torch.optim.AdamW (the shared settings) leave when
+    each updates its own group, both under the one schedule."""
+    muon_cfg = MuonConfig(
+        lr_ratio=5.0,
+        weight_decay=0.05,
+        momentum=0.9,
+        nesterov=nesterov,
+        ns_steps=4,
+        adjust_lr_fn=adjust_lr_fn,
+        lm_head=lm_head,
+    )
+    cfg = OptimizerConfig(
+        kind=OptimizerKind.muon,
+        lr=1e-2,
+        betas=[0.8, 0.9],
+        eps=1e-6,
+        weight_decay=0.01,
+        warmup_ratio=0.5,
+        fp32_master=fp32_master,
+        muon=muon_cfg,
+    )
+    ours, theirs = tiny_draft(), tiny_draft()
+    apply_master_dtype(ours, cfg)
+    apply_master_dtype(theirs, cfg)
+    optimizer, scheduler = build_optimizer(cfg, ours, total_steps=4)
+    muon_params, adamw_params = split_for_muon(muon_cfg, _trainable(theirs))
+    reference = [
+        torch.optim.Muon(
+            list(muon_params.values()),
+            lr=1e-2 * 5.0,
+            weight_decay=0.05,
+            momentum=0.9,
+            nesterov=nesterov,
+            ns_steps=4,
+            adjust_lr_fn=adjust_lr_fn.value,
+        ),
+        torch.optim.AdamW(
+            list(adamw_params.values()), lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.01
+        ),
+    ]
+    schedules = [
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 4, 2, 0.0))
+        for opt in reference
+    ]
+    for seed in range(3):
+        _set_grads([p for _, p in _trainable(ours)], seed)
+        _set_grads([p for _, p in _trainable(theirs)], seed)
+        optimizer.step()
+        scheduler.step()
+        for opt, schedule in zip(reference, schedules, strict=True):
+            opt.step()
+            schedule.step()
+    expected = dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    assert optimizer.state[ours.fc.weight].keys() == {"momentum_buffer"}
+    assert optimizer.state[ours.norm.weight].keys() == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_muon_schedule_scales_both_groups() -> None:
+    """One LambdaLR: the Muon group's lr stays lr_ratio times the AdamW group's."""
+    cfg = OptimizerConfig(kind=OptimizerKind.muon, lr=1e-3, warmup_ratio=0.2)
+    optimizer, scheduler = build_optimizer(cfg, tiny_draft(), total_steps=10)
+    muon, adamw = optimizer.param_groups
+    for step in range(10):
+        assert adamw["lr"] == pytest.approx(1e-3 * warmup_cosine(step, 10, 2, 0.0))
+        assert muon["lr"] == pytest.approx(10 * adamw["lr"])
+        optimizer.step()
+        scheduler.step()
+
+
+def test_muon_state_dict_round_trip() -> None:
+    """state_dict (Muon's momentum buffers, AdamW's moments, each group's algorithm and options),
+    saved and loaded with weights_only=True, loads into a fresh optimizer, which then takes the
+    original's next step exactly."""
+    cfg = OptimizerConfig(kind=OptimizerKind.muon, lr=1e-2, warmup_ratio=0.0)
+    drafts = [tiny_draft(), tiny_draft()]
+    optimizers = [build_optimizer(cfg, d, total_steps=10)[0] for d in drafts]
+    for seed in range(2):
+        _set_grads([p for _, p in _trainable(drafts[0])], seed)
+        optimizers[0].step()
+    blob = io.BytesIO()  # as in a checkpoint: a loaded state shares no tensor with the live one
+    torch.save(optimizers[0].state_dict(), blob)
+    blob.seek(0)
+    saved = torch.load(blob, weights_only=True)
+    assert [g[ALGORITHM] for g in saved["param_groups"]] == [MUON, ADAMW]
+    drafts[1].load_state_dict(drafts[0].state_dict())
+    optimizers[1].load_state_dict(saved)
+    assert optimizers[1].param_groups[0]["ns_steps"] == 5
+    for draft, optimizer in zip(drafts, optimizers, strict=True):
+        _set_grads([p for _, p in _trainable(draft)], 7)
+        optimizer.step()
+    for (name, a), b in zip(drafts[0].named_parameters(), drafts[1].parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_muon_trains_the_tiny_draft() -> None:
+    cfg = OptimizerConfig(kind=OptimizerKind.muon, lr=1e-2, warmup_ratio=0.0)
+    _assert_trains(cfg, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"lr_ratio": 0.0}, "optimizer.muon.lr_ratio"),
+        ({"weight_decay": -0.1}, "optimizer.muon.weight_decay"),
+        ({"momentum": 1.0}, "optimizer.muon.momentum"),
+        ({"momentum": -0.5}, "optimizer.muon.momentum"),
+        ({"ns_steps": 0}, "optimizer.muon.ns_steps"),
+        ({"ns_steps": 100}, "optimizer.muon.ns_steps"),
+    ],
+)
+def test_muon_config_errors_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        MuonConfig(**kwargs)
+
+
+def test_muon_without_torch_muon_names_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older torch (before 2.9) has no torch.optim.Muon: a ConfigError, not an AttributeError."""
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match=r"optimizer\.kind=muon needs torch\.optim\.Muon"):
+        build_optimizer(OptimizerConfig(kind=OptimizerKind.muon), tiny_draft(), 10)
+
+
+def test_muon_sharded_step_is_torch_muon(tmp_path: Path) -> None:
+    """The DTensor path (gather the update, torch's Newton-Schulz, keep this rank's rows) takes
+    torch.optim.Muon's steps bit for bit: here on a one-rank gloo group (tests/dist checks two
+    ranks against one process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        sharded = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5))
+        first, second = torch.nn.Linear(6, 8), torch.nn.Linear(8, 5)
+        plain = torch.nn.Sequential(first, second)
+        plain.load_state_dict(sharded.state_dict())
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        cfg = OptimizerConfig(kind=OptimizerKind.muon, lr=1e-2, warmup_ratio=0.0)
+        optimizer, _ = build_optimizer(cfg, sharded, total_steps=10)
+        assert all(isinstance(p, DTensor) for p in optimizer.param_groups[0]["params"])
+        reference = [
+            torch.optim.Muon(
+                [first.weight, second.weight],
+                lr=0.1,
+                weight_decay=0.1,
+                adjust_lr_fn="match_rms_adamw",
+            ),
+            torch.optim.AdamW(
+                [first.bias, second.bias], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0
+            ),
+        ]
+        for seed in range(3):
+            for model in (sharded, plain):
+                torch.manual_seed(seed)
+                model(torch.randn(4, 6)).square().sum().backward()
+            optimizer.step()
+            for opt in reference:
+                opt.step()
+            optimizer.zero_grad(set_to_none=True)
+            plain.zero_grad(set_to_none=True)
+        for (name, a), b in zip(sharded.named_parameters(), plain.parameters(), strict=True):
+            assert isinstance(a, DTensor) and torch.equal(a.full_tensor(), b), name
     finally:
         dist.destroy_process_group()
