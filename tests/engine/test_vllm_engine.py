@@ -115,6 +115,51 @@ def test_evaluate_judges_the_draft_in_both_engines_losslessly(
     assert f"Using auxiliary layers from speculative config: {tuple(i + 1 for i in trained)}" in log
 
 
+@pytest.mark.parametrize(
+    "switches",
+    [
+        pytest.param(
+            {"fc_norm": True, "norm_output": True, "norm_before_residual": True},
+            id="fc_norm",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param({"norm_before_fc": True}, id="norm_before_fc", marks=pytest.mark.slow),
+    ],
+)
+def test_an_eagle31_draft_decodes_in_vllm_as_in_our_decoder(
+    engine_env: Path, smollm2_dir: Path, tmp_path: Path, switches: dict[str, bool]
+) -> None:
+    """An EAGLE-3.1 draft (its norms with random weights, over the target's logit lens, so
+    that proposals are accepted) is served by vLLM losslessly in fp32, and vLLM accepts at
+    every position what eagleforge's decoder accepts: an engine that skipped or misplaced a
+    norm would propose other tokens."""
+    from eagleforge.evaluate import run
+    from eagleforge.formats.write import write_sglang
+    from eagleforge.targets.config import TargetConfig
+    from eagleforge.targets.hf import HFTarget
+    from helpers.drafts import lens_draft
+
+    target = HFTarget.from_pretrained(
+        smollm2_dir, TargetConfig(), torch.float32, torch.device("cpu")
+    )
+    draft = lens_draft(target, 8192, seed=0, **switches)
+    path = write_sglang(draft.arch, draft.state_dict(), tmp_path / "step_00000000")
+    summaries = run(compose_config([
+        "+model=smollm2", "model.dtype=float32", f"eval.draft={path}", "eval.engine=[hf,vllm]",
+        "eval.prompts=mtbench_style", "eval.max_prompts=3", "eval.max_new_tokens=32",
+        "eval.num_draft_tokens=3", "eval.engine_batch=1", "tracker=console",
+        f"output_root={tmp_path}", f"output_dir={tmp_path / 'eval'}", *ENGINE_OVERRIDES,
+    ]))  # fmt: skip
+    hf, vllm = summaries
+    assert hf.greedy_matches_target is True and vllm.greedy_matches_target is True
+    assert hf.acceptance_by_position[0] > 0, "the lens draft must have proposals accepted"
+    assert vllm.acceptance_by_position == pytest.approx(hf.acceptance_by_position, abs=0.02)
+    exported = json.loads(
+        (tmp_path / "eval" / "vllm" / "drafts" / path.name / "config.json").read_text()
+    )
+    assert all(exported[k] is v for k, v in switches.items())
+
+
 def test_capture_through_vllm_matches_the_hf_capture(engine_env: Path, tmp_path: Path) -> None:
     """`prepare` with target=vllm writes the store target=hf writes: the same samples, aux and
     final states within 1e-4 relative in fp32; a few offline steps on each lose within 1%."""
