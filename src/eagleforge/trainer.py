@@ -32,6 +32,7 @@ from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoi
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
     TTTModule,
+    TTTStats,
     count_positions,
     loss_scales,
     simulated_acceptance_length,
@@ -130,18 +131,12 @@ class StepSums:
             torch.zeros(ttt_length, dtype=torch.float64),
         )
 
-    def add(
-        self,
-        loss_sum_k: torch.Tensor,
-        counted_k: torch.Tensor,
-        correct_k: torch.Tensor,
-        alpha_sum_k: torch.Tensor,
-        tokens: int,
-    ) -> None:
-        self.loss_sum_k += loss_sum_k.detach().double().cpu()
-        self.num_counted_k += counted_k.cpu()
-        self.num_correct_k += correct_k.cpu()
-        self.alpha_sum_k += alpha_sum_k.detach().double().cpu()
+    def add(self, stats: TTTStats | StepSums, tokens: int) -> None:
+        """Add one micro-batch's stats (or another window's sums) covering ``tokens`` tokens."""
+        self.loss_sum_k += stats.loss_sum_k.detach().double().cpu()
+        self.num_counted_k += stats.num_counted_k.cpu()
+        self.num_correct_k += stats.num_correct_k.cpu()
+        self.alpha_sum_k += stats.alpha_sum_k.detach().double().cpu()
         self.num_tokens += tokens
 
     def summed_over(self, world: World) -> StepSums:
@@ -369,13 +364,7 @@ class Trainer:
             with self.autocast:
                 stats = self.module.stats(batch, scale_k)
             stats.loss.backward()
-            sums.add(
-                stats.loss_sum_k,
-                stats.num_counted_k,
-                stats.num_correct_k,
-                stats.alpha_sum_k,
-                int(batch.valid_BT[:, : batch.computed_length].sum()),
-            )
+            sums.add(stats, int(batch.valid_BT[:, : batch.computed_length].sum()))
         params = [p for p in self.module.parameters() if p.requires_grad]
         max_norm = self.parts.max_grad_norm if self.parts.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -393,13 +382,7 @@ class Trainer:
             batch = self.batches.make_batch({k: v.to(self.device) for k, v in raw.items()})
             with self.autocast:
                 stats = self.module.stats(batch)
-            sums.add(
-                stats.loss_sum_k,
-                stats.num_counted_k,
-                stats.num_correct_k,
-                stats.alpha_sum_k,
-                int(batch.valid_BT[:, : batch.computed_length].sum()),
-            )
+            sums.add(stats, int(batch.valid_BT[:, : batch.computed_length].sum()))
         self.module.train()
         return sums.summed_over(self.world).metrics("eval", self.weights_k)
 
@@ -518,13 +501,7 @@ class Trainer:
             self.step += 1
             if self.profiler is not None:
                 self.profiler.step()
-            window.add(
-                sums.loss_sum_k,
-                sums.num_counted_k,
-                sums.num_correct_k,
-                sums.alpha_sum_k,
-                sums.num_tokens,
-            )
+            window.add(sums, sums.num_tokens)
             step_metrics = sums.metrics("train", self.weights_k)
             result.train_losses.append(step_metrics["train/loss"])
             tokens_per_s = window.num_tokens / max(time.perf_counter() - window_start, 1e-9)

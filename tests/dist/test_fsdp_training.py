@@ -30,6 +30,7 @@ from helpers.ranks import run_ranks
 from helpers.runs import (
     FSDP_RUN,
     assert_close_weights,
+    start_from,
     tiny_run_overrides,
     train_on_rank,
     weights,
@@ -72,19 +73,15 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(
 def test_two_rank_resume_is_bit_identical_and_reshards(tmp_path: Path) -> None:
     args = ("trainer.save_every_n_steps=2", "data.packing=false")
     full = run_ranks(train_on_rank, 2, overrides(tmp_path, "full", *args))[0]
-    resumed_dir = tmp_path / "resumed" / "checkpoints"
-    resumed_dir.mkdir(parents=True)
     step_2 = tmp_path / "full" / "checkpoints" / "step_00000002"
-    shutil.copytree(step_2, resumed_dir / step_2.name)
+    start_from(step_2, tmp_path / "resumed")
     resumed = run_ranks(train_on_rank, 2, overrides(tmp_path, "resumed", *args))[0]
     assert resumed[0] == full[0][2:]  # steps 3..4, bit for bit
     final_full, final_resumed = weights(full[2]), weights(resumed[2])
     assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
 
     # the 2-rank checkpoint continues in one process (another data order: finishes, differs)
-    alone_dir = tmp_path / "alone" / "checkpoints"
-    alone_dir.mkdir(parents=True)
-    shutil.copytree(step_2, alone_dir / step_2.name)
+    start_from(step_2, tmp_path / "alone")
     alone = train_on_rank(0, overrides(tmp_path, "alone", *args))
     assert len(alone[0]) == 2 and all(torch.isfinite(torch.tensor(alone[0])))
     assert weights(alone[2]).keys() == final_full.keys()
@@ -147,18 +144,14 @@ def test_muon_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     step_2 = tmp_path / "full" / "checkpoints" / "step_00000002"
     assert not torch.equal(weights(full[2])["fc.weight"], weights(step_2)["fc.weight"])
 
-    resumed_dir = tmp_path / "resumed" / "checkpoints"
-    resumed_dir.mkdir(parents=True)
-    shutil.copytree(step_2, resumed_dir / step_2.name)
+    start_from(step_2, tmp_path / "resumed")
     resumed = run_ranks(train_on_rank, 2, overrides(tmp_path, "resumed", *args))[0]
     assert resumed[0] == full[0][2:]  # step 3, bit for bit
     final_full, final_resumed = weights(full[2]), weights(resumed[2])
     assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
 
     # the 2-rank checkpoint (whole momentum buffers) continues in one process
-    alone_dir = tmp_path / "alone" / "checkpoints"
-    alone_dir.mkdir(parents=True)
-    shutil.copytree(step_2, alone_dir / step_2.name)
+    start_from(step_2, tmp_path / "alone")
     alone = train_on_rank(0, overrides(tmp_path, "alone", *args))
     assert len(alone[0]) == 1 and all(torch.isfinite(torch.tensor(alone[0])))
 

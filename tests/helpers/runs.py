@@ -8,6 +8,7 @@ appended. ``train_on_rank`` runs one such config and returns what the tests comp
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -87,3 +88,11 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def start_from(checkpoint: Path, run_dir: Path) -> None:
+    """Put a copy of ``checkpoint`` in ``run_dir``'s checkpoints, where ``trainer.resume=auto``
+    continues from it: a run stopped after that checkpoint."""
+    checkpoints = run_dir / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    shutil.copytree(checkpoint, checkpoints / checkpoint.name)

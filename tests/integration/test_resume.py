@@ -21,7 +21,7 @@ from eagleforge.files import CHECKSUMS
 from eagleforge.train import run
 from eagleforge.trainer import Trainer
 from helpers.processes import dead_pid
-from helpers.runs import tiny_run_overrides, weights
+from helpers.runs import start_from, tiny_run_overrides, weights
 
 pytestmark = pytest.mark.integration
 
@@ -63,13 +63,11 @@ def test_muon_resumed_run_is_bit_identical(tmp_path: Path) -> None:
     through torch.distributed.checkpoint's state dicts): 6 steps, or 2, a stop, and 4 more from
     the step-2 checkpoint, end in the same weights, bit for bit."""
     full = run(compose_config(overrides(tmp_path, "full", "optimizer=muon")))
-    resumed_dir = tmp_path / "resumed" / "checkpoints"
-    resumed_dir.mkdir(parents=True)
     step_2 = tmp_path / "full" / "checkpoints" / "step_00000002"
     saved = torch.load(step_2 / TRAINING_STATE, weights_only=True)["optimizer"]["state"]
     assert saved["draft.fc.weight"].keys() == {"momentum_buffer"}  # Muon's
     assert saved["draft.lm_head.weight"].keys() == {"step", "exp_avg", "exp_avg_sq"}  # AdamW's
-    shutil.copytree(step_2, resumed_dir / step_2.name)
+    start_from(step_2, tmp_path / "resumed")
     resumed = run(compose_config(overrides(tmp_path, "resumed", "optimizer=muon")))
     assert resumed.step == full.step == 6
     assert resumed.train_losses == full.train_losses[2:]  # steps 3..6, bit for bit

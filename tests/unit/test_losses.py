@@ -23,7 +23,13 @@ from eagleforge.draft.loss import (
     loss_chunk_rows,
     soft_cross_entropy,
 )
-from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
+from eagleforge.draft.ttt import (
+    TTTStats,
+    count_positions,
+    loss_scales,
+    step_weights,
+    ttt_forward,
+)
 from eagleforge.errors import ConfigError
 from eagleforge.trainer import StepSums
 from helpers.drafts import random_batch, tiny_arch, tiny_draft
@@ -335,7 +341,14 @@ def test_ttt_forward_takes_the_loss_and_reports_alpha() -> None:
 def test_alpha_is_logged_next_to_acc() -> None:
     """train/alpha_i and eval/alpha_i are Σ α over the counted positions of step i."""
     sums = StepSums.zeros(2)
-    sums.add(torch.ones(2), torch.tensor([4, 2]), torch.tensor([2, 1]), torch.tensor([3.0, 0.5]), 9)
+    stats = TTTStats(
+        loss=torch.zeros(()),
+        loss_sum_k=torch.ones(2),
+        num_counted_k=torch.tensor([4, 2]),
+        num_correct_k=torch.tensor([2, 1]),
+        alpha_sum_k=torch.tensor([3.0, 0.5]),
+    )
+    sums.add(stats, 9)
     metrics = sums.metrics("eval", torch.ones(2))
     assert metrics["eval/alpha_0"] == 0.75 and metrics["eval/alpha_1"] == 0.25
     assert metrics["eval/acc_0"] == 0.5

@@ -427,35 +427,18 @@ def chunked_loss(
     )
     if chunk_size is None:
         chunk_size = loss_chunk_rows(config.kind, weight_WH.shape[0])
+    rows = (hidden_nH, weight_WH, teacher_MW, teacher_rows_n)
     kl_weight_n = None
     if config.kind == LossKind.lk_lambda:
         if group_n is None:
             group_n = torch.zeros_like(teacher_rows_n)
+        # α alone, through the tv kind's chunk: the cheapest that computes it
+        alpha_first = LossConfig(kind=LossKind.tv)
         with torch.no_grad():
-            alpha_n = _chunk_loop(
-                hidden_nH,
-                weight_WH,
-                teacher_MW,
-                teacher_rows_n,
-                None,
-                None,
-                LossConfig(kind=LossKind.tv),
-                chunk_size,
-                with_grad=False,
-            ).alpha_n
+            alpha_n = _chunk_loop(*rows, None, None, alpha_first, chunk_size, False).alpha_n
         kl_weight_n = lk_lambda_kl_weights(alpha_n, group_n, num_groups, config)
     return ChunkedLoss(
-        *_ChunkedLoss.apply(
-            hidden_nH,
-            weight_WH,
-            teacher_MW,
-            teacher_rows_n,
-            scale_n,
-            kl_weight_n,
-            config,
-            chunk_size,
-            with_grad,
-        )
+        *_ChunkedLoss.apply(*rows, scale_n, kl_weight_n, config, chunk_size, with_grad)
     )
 
 
