@@ -129,6 +129,9 @@ def test_muon_sharded_over_two_ranks_steps_like_one_process() -> None:
         assert torch.equal(two[name], one[name]), name
 
 
+# Slow (test-all): 17 s. make test keeps Muon's sharded step bitwise against one process
+# (above) and its exact resume in one process (tests/integration/test_resume.py).
+@pytest.mark.slow
 def test_muon_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     """optimizer=muon end to end on 2 ranks: the first loss is one process's (same global
     batch), training moves the weights, a 2-rank resume from step 2 is bit-identical (Muon's
