@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from eagleforge.data.preprocess import TokenizedDataset
 from eagleforge.data.split import build_datasets
 from eagleforge.engine.server import engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
 from eagleforge.targets.base import TargetBackend, release
@@ -152,6 +154,18 @@ def run(config: EagleForgeConfig) -> Path:
         )
     check_inputs(config)
     out = Path(cfg.output_dir)
+    # rank 0 speaks for a torchrun job: refused, it exits and torchrun stops the other ranks
+    # before their target is loaded, long before they write a shard
+    lock = (
+        exclusive(beside(out), output=out, field="prepare.output_dir")
+        if int(os.environ.get("RANK", 0)) == 0
+        else nullcontext()
+    )
+    with lock:
+        return _prepare(config, out)
+
+
+def _prepare(config: EagleForgeConfig, out: Path) -> Path:
     # under torchrun each rank captures on its own GPU (a target backend each, no process group)
     device = resolve_device(config.parallel, int(os.environ.get("LOCAL_RANK", 0)))
     cache_dir = config.resolved_cache_dir()

@@ -32,6 +32,7 @@ from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_t
 from eagleforge.engine.client import SERVED_NAME, VLLMClient
 from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
 from eagleforge.regeneration.backends import (
@@ -113,17 +114,25 @@ def vllm_backend(
 
 def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     """Regenerate ``config.data`` into ``config.regenerate.output``, resuming finished chunks."""
-    with contextlib.ExitStack() as engines, stop_on_signals():
-        return _run(config, generate, engines)
+    if not config.regenerate.output:
+        raise ConfigError("regenerate.output is not set: give the jsonl file to write.")
+    output = Path(config.regenerate.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        exclusive(beside(output), output=output, field="regenerate.output"),
+        contextlib.ExitStack() as engines,
+        stop_on_signals(),
+    ):
+        return _run(config, output, generate, engines)
 
 
 def _run(
-    config: EagleForgeConfig, generate: Generate | None, engines: contextlib.ExitStack
+    config: EagleForgeConfig,
+    output: Path,
+    generate: Generate | None,
+    engines: contextlib.ExitStack,
 ) -> Summary:
     cfg = config.regenerate
-    if not cfg.output:
-        raise ConfigError("regenerate.output is not set: give the jsonl file to write.")
-    output = Path(cfg.output)
     if output.exists():
         raise ConfigError(
             f"regenerate.output={output} exists (a finished job); remove it or choose another file."

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -23,6 +24,7 @@ from omegaconf import DictConfig
 from eagleforge.builder import build
 from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
 from eagleforge.errors import EagleForgeError
+from eagleforge.locking import RUN_DIR_LOCK, exclusive
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.launch import is_main_process
 from eagleforge.preflight import check_inputs
@@ -46,8 +48,15 @@ def run(cfg: DictConfig) -> TrainResult:
     Under torchrun/SLURM every rank runs this; the process group lives as long as the run.
     """
     config: EagleForgeConfig = to_typed(cfg)
-    check_inputs(config, tracking=is_main_process())
-    with distributed(config.parallel) as world:
+    is_main = is_main_process()
+    check_inputs(config, tracking=is_main)
+    output_dir = Path(config.output_dir)
+    with (
+        exclusive(output_dir / RUN_DIR_LOCK, output=output_dir, field="output_dir")
+        if is_main
+        else nullcontext(),
+        distributed(config.parallel) as world,
+    ):
         if not world.is_main:  # one rank reports
             logging.getLogger("eagleforge").setLevel(logging.WARNING)
         return _run(cfg, config, world)
