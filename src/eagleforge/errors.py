@@ -31,7 +31,8 @@ class CheckpointError(EagleForgeError, ValueError):
 
 
 def exit_on_user_error(main: Callable[P, R]) -> Callable[P, R]:
-    """Entry-point decorator: a user error prints one line and exits with status 2."""
+    """Entry-point decorator: a user error prints one line and exits with status 2; Ctrl-C
+    prints one line and exits with 130 (every writer leaves whole files, and resumes)."""
 
     @functools.wraps(main)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -40,5 +41,8 @@ def exit_on_user_error(main: Callable[P, R]) -> Callable[P, R]:
         except EagleForgeError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except KeyboardInterrupt:
+            print("interrupted (Ctrl-C): run the same command again to go on", file=sys.stderr)
+            sys.exit(130)
 
     return wrapper

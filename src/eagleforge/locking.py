@@ -89,13 +89,13 @@ def acquire(lock_file: Path, *, output: Path, field: str) -> int:
         )
         return fd
     os.ftruncate(fd, 0)
-    holder = {
+    record = {
         "pid": os.getpid(),
         "host": this_host(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": shlex.join([os.path.basename(sys.executable), *sys.argv]),
     }
-    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     return fd
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -164,6 +165,14 @@ def _hydra_main(cfg: DictConfig) -> None:
         result = run(cfg)
     except (Exception, KeyboardInterrupt) as e:
         record_failure(e, cfg, is_main=is_main)
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C outside the loop, or a second one in it
+            print(
+                "interrupted: stopped without saving; the same command resumes from the last "
+                "checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(128 + signal.SIGINT)
         if not isinstance(e, EagleForgeError):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ its last step has nothing left to do.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -194,12 +195,13 @@ class TrainResult:
 class StopSignals:
     """While active, the signals that announce the end of a job are recorded instead of
     killing the process, so the loop can finish its step and save: SIGTERM (SLURM's
-    preemption, scancel), SIGUSR1 (``sbatch --signal``) and SIGUSR2 (what submitit asks
-    SLURM to send before the time limit, and on preemption where SLURM sends it). Only in the
-    main thread; the handlers found on entry are put back on exit, and ``hand_on`` gives them
-    the recorded signal once the run has saved."""
+    preemption, scancel), SIGUSR1 (``sbatch --signal``), SIGUSR2 (what submitit asks
+    SLURM to send before the time limit, and on preemption where SLURM sends it) and SIGINT
+    (Ctrl-C; a second Ctrl-C raises KeyboardInterrupt at once, and the entry point exits
+    without saving). Only in the main thread; the handlers found on entry are put back on
+    exit, and ``hand_on`` gives them the recorded signal once the run has saved."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
     # submitit's checkpoint-and-requeue signal: once recorded, a later SIGTERM (the rest of
     # a preemption) does not replace it, so the job is still requeued.
     REQUEUE = signal.SIGUSR2
@@ -215,6 +217,12 @@ class StopSignals:
         return self
 
     def _record(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self.signal == signal.SIGINT:  # the second Ctrl-C: stop now
+                raise KeyboardInterrupt
+            # os.write: a print here could interrupt a print of the loop's (tqdm's)
+            os.write(2, b"\nCtrl-C: finishing this step, then saving a checkpoint and "
+                        b"exiting; Ctrl-C again stops at once without saving.\n")  # fmt: skip
         if self.signal != self.REQUEUE:
             self.signal = signum
 
@@ -230,7 +238,7 @@ class StopSignals:
         on SIGUSR2 it requeues the job and exits; on SIGTERM it only logs. Returns when the
         handler does (or there is none); the caller then exits with 128 + signum."""
         handler = signal.getsignal(signum)
-        if callable(handler):
+        if callable(handler) and handler is not signal.default_int_handler:  # Ctrl-C: saved
             handler(signum, None)
 
 
@@ -446,10 +454,12 @@ class Trainer:
         """After a stop signal (StopSignals): the step is finished; save it and report it."""
         if not self.due(self.cfg.save_every_n_steps):
             result.checkpoint = self.save()
-        result.step, result.preempted_by = self.step, self.stop.signal
+        signum = self.stop.signal
+        assert signum is not None
+        result.step, result.preempted_by = self.step, signum
         log.warning(
-            "stopped by signal %s after step %d; checkpoint %s (the same command resumes)",
-            self.stop.signal,
+            "stopped by %s after step %d; checkpoint %s (the same command resumes)",
+            signal.Signals(signum).name,
             self.step,
             result.checkpoint,
         )

@@ -101,7 +101,8 @@ def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
 # SIGUSR1 is slow only: tests/dist/test_sbatch.py stops a job with it (exit 138, requeue) and
 # tests/unit/test_launch.py records every stop signal alike.
 @pytest.mark.parametrize(
-    "signum", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)]
+    "signum",
+    [signal.SIGTERM, signal.SIGINT, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)],
 )
 def test_preemption_signal_finishes_the_step_saves_and_exits_for_requeue(
     tmp_path: Path, signum: int
@@ -121,6 +122,9 @@ def test_preemption_signal_finishes_the_step_saves_and_exits_for_requeue(
     proc.send_signal(signum)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 128 + signum, output
+    assert "Traceback" not in output
+    if signum == signal.SIGINT:  # Ctrl-C says what it does
+        assert "Ctrl-C: finishing this step, then saving a checkpoint and exiting" in output
     (checkpoint,) = (tmp_path / "pre" / "checkpoints").glob("step_*")
     stopped_at = int(checkpoint.name.removeprefix("step_"))
     assert 3 <= stopped_at < 500
@@ -128,6 +132,32 @@ def test_preemption_signal_finishes_the_step_saves_and_exits_for_requeue(
         compose_config(overrides(tmp_path, "pre", f"trainer.max_num_steps={stopped_at + 2}"))
     )
     assert resumed.step == stopped_at + 2 and len(resumed.train_losses) == 2
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path: Path) -> None:
+    args = overrides(tmp_path, "int", "trainer.max_num_steps=500", "trainer.save_every_n_steps=0",
+                     "trainer.log_every_n_steps=1")  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagleforge.train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "step 3 train/loss" in line:
+            proc.send_signal(signal.SIGINT)
+        if "Ctrl-C: finishing this step" in line:  # the first was seen: the second now
+            proc.send_signal(signal.SIGINT)
+            break
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output
+    # the second Ctrl-C landed in the step (nothing saved) or, on a fast machine, in the save
+    # the first one asked for; either way what is on disk is whole
+    assert "interrupted: stopped without saving" in output or "stopped by SIGINT" in output
+    for checkpoint in (tmp_path / "int" / "checkpoints").glob("step_*"):
+        assert (checkpoint / TRAINING_STATE).is_file()
 
 
 def test_keep_last_n_rotates_step_checkpoints(tmp_path: Path) -> None:

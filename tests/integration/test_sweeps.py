@@ -166,7 +166,7 @@ def test_submitit_local_sweep_saves_requeues_and_resumes_on_sigusr2(tmp_path: Pa
     runs = runs_by_job(tmp_path)
     for n, job in enumerate(jobs):
         log = (job / "train.log").read_text()
-        assert "stopped by signal 12" in log and "resumed from" in log, log[-2000:]
+        assert "stopped by SIGUSR2" in log and "resumed from" in log, log[-2000:]
         summary = json.loads((job / "summary.json").read_text())
         assert summary["step"] == num_steps
         assert Path(summary["checkpoint"]).name == f"step_{num_steps:08d}"

@@ -85,6 +85,7 @@ def eagle31_switches(config: dict[str, Any]) -> dict[str, bool]:
 def architecture_of(config: dict[str, Any]) -> DraftArchitecture:
     """The architecture a draft's ``config.json`` describes, in any format."""
     layer = llama_fields(config)
+    norms = eagle31_switches(config)
     return DraftArchitecture(
         hidden_size=layer["hidden_size"],
         intermediate_size=layer["intermediate_size"],
@@ -102,5 +103,8 @@ def architecture_of(config: dict[str, Any]) -> DraftArchitecture:
         hidden_act=layer.get("hidden_act", "silu"),
         attention_bias=layer.get("attention_bias", False),
         target_model_type=config.get("eagleforge", {}).get("target_model_type", "llama"),
-        **eagle31_switches(config),
+        fc_norm=norms["fc_norm"],
+        norm_before_fc=norms["norm_before_fc"],
+        norm_output=norms["norm_output"],
+        norm_before_residual=norms["norm_before_residual"],
     )
