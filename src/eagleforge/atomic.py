@@ -18,6 +18,7 @@ directory removes it (``remove_stale_temps``) once it is certainly abandoned:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagleforge.errors import EagleForgeError
 from eagleforge.files import current_umask
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,55 @@ STALE_AFTER_S = 24 * 3600
 _NAMED = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9.~-]+)\.[a-z0-9_]{8}$")
 _NAMED_FILE = re.compile(r"^\.tmp-(?P<name>.+)\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9.~-]+)$")
 _UNNAMED = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}$")  # written before writers were named
+
+
+class DiskFull(EagleForgeError):
+    """A write ran out of space (or quota); the message names what was being written."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a write that ran out of space or quota: an
+    OSError with ENOSPC or EDQUOT, safetensors' error with the OS's text, or torch.save's
+    short write (``unexpected pos``), which says nothing else."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, DiskFull):
+            return True
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(seen)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        if isinstance(seen, RuntimeError) and "unexpected pos" in text:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@contextmanager
+def naming_disk_full(final: Path) -> Iterator[None]:
+    """Turn a write of ``final`` that ran out of space into one ``DiskFull`` line naming it
+    and the space left; any other error goes on as it is."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, DiskFull) or not is_disk_full(e):
+            raise
+        raise DiskFull(
+            f"{final}: no space left on device ({_free_text(final)}); nothing half-written is "
+            "left and what was written before is intact: free space and run the same command "
+            "again",
+        ) from None
+
+
+def _free_text(path: Path) -> str:
+    for parent in (path, *path.parents):
+        try:
+            usage = shutil.disk_usage(parent)
+        except OSError:
+            continue
+        return f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**30:,.1f} GiB on it"
+    return "free space unknown"
 
 
 def this_host() -> str:
@@ -78,24 +129,26 @@ def atomic_directory(
     """
     tmp = writer_temp_dir(final)
     try:
-        yield tmp
-        if durable:
-            for file in tmp.iterdir():
-                with open(file, "rb") as f:
-                    os.fsync(f.fileno())
-        tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; share it like any directory
-        torn = complete is not None and final.exists() and not (final / complete).exists()
-        if (replace or torn) and final.exists():
-            old = writer_temp_dir(final.with_name(f"{final.name}.old"))
-            os.rename(final, old / final.name)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
+        with naming_disk_full(final):
+            yield tmp
+            if durable:
+                for file in tmp.iterdir():
+                    with open(file, "rb") as f:
+                        os.fsync(f.fileno())
+            # mkdtemp makes it private; share it like any directory
+            tmp.chmod(0o777 & ~current_umask())
+            torn = complete is not None and final.exists() and not (final / complete).exists()
+            if (replace or torn) and final.exists():
+                old = writer_temp_dir(final.with_name(f"{final.name}.old"))
+                os.rename(final, old / final.name)
                 os.rename(tmp, final)
-            except OSError:  # another writer finished first
-                if complete is None or not (final / complete).exists():
-                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                try:
+                    os.rename(tmp, final)
+                except OSError:  # another writer finished first
+                    if complete is None or not (final / complete).exists():
+                        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -107,10 +160,11 @@ def atomic_file(path: Path) -> Iterator[Path]:
     remove_stale_temps(path.parent)
     tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}@{this_host()}")
     try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming_disk_full(path):
+            yield tmp
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 

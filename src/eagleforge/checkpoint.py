@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagleforge.atomic import atomic_directory
+from eagleforge.atomic import atomic_directory, is_disk_full
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
@@ -115,7 +115,12 @@ def _write(
     # disk full, quota, permissions -- safetensors and torch.save report them as their own
     # error types: keep what exists, say so
     except Exception as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        if is_disk_full(e):
+            reason = "no space left on device"
+        elif isinstance(e, OSError) and e.strerror:
+            reason = e.strerror
+        else:
+            reason = f"{type(e).__name__}: {e}"
         raise CheckpointError(
             f"{final}: could not write the checkpoint ({reason}); the earlier "
             f"checkpoints in {final.parent} are intact. Free space (or fix the directory) and "

@@ -45,6 +45,21 @@ log = logging.getLogger(__name__)
 for _noisy in ("mlflow.store.db.utils", "alembic.runtime.migration"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
 
+# The loggers MLflow gives console handlers of their own when it is imported.
+MLFLOW_LOGGERS = ("mlflow", "sqlalchemy", "sqlalchemy.engine", "alembic", "huey")
+
+
+def keep_mlflow_off_the_console() -> None:
+    """MLflow's own loggers (and its SQLAlchemy's and alembic's) write into the run's log file
+    only, never onto the console: a locked or full sqlite store makes them print tracebacks of
+    dozens of lines, where the tracker's own one-line warning is what the user needs. Called
+    once mlflow is imported (its import installs their console handlers)."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for name in MLFLOW_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers = list(files) or [logging.NullHandler()]
+        logger.propagate = False
+
 
 class TrackerKind(str, Enum):
     mlflow = "mlflow"
@@ -170,6 +185,7 @@ def _client(tracking_uri: str) -> Any:
     with backoff, 120 s timeout) would keep the sender on one request for many minutes."""
     from mlflow import MlflowClient
 
+    keep_mlflow_off_the_console()
     if tracking_uri.startswith("http"):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -383,6 +399,7 @@ class MLflowTracker:
     ) -> None:
         import mlflow
 
+        keep_mlflow_off_the_console()
         active = mlflow.active_run()
         # Inside a run someone else started (a notebook, a sweep driver): log into it.
         self.owns_run = active is None

@@ -14,6 +14,7 @@ import pytest
 
 from eagleforge.atomic import (
     STALE_AFTER_S,
+    DiskFull,
     atomic_directory,
     atomic_file,
     remove_stale_temps,
@@ -141,3 +142,40 @@ def test_atomic_file_replaces_whole_or_not_at_all(tmp_path: Path) -> None:
         raise ValueError("killed")
     assert path.read_text() == "one"
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_a_write_on_a_full_disk_is_named_in_one_line(tmp_path: Path) -> None:
+    """The temporary file is /dev/full: torch.save's short write ("unexpected pos") and a
+    plain write end in one DiskFull naming the final path, as does safetensors' error (its
+    save_file replaces a symlink, so its error is raised as it words it)."""
+    import torch
+    from safetensors import SafetensorError
+
+    def safetensors_full(tmp: Path) -> None:
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    writes = {
+        "torch.save": lambda tmp: torch.save({"w": torch.zeros(4096)}, tmp),
+        "safetensors": safetensors_full,
+        "text": lambda tmp: tmp.write_text("x" * 65536),
+    }
+    for what, write in writes.items():
+        final = tmp_path / f"{what}.out"
+        final.write_text("the earlier version\n")
+        with pytest.raises(DiskFull) as full, atomic_file(final) as tmp:
+            tmp.symlink_to("/dev/full")
+            write(tmp)
+        message = str(full.value)
+        assert message.startswith(f"{final}: no space left on device (") and "\n" not in message
+        assert "free space and run the same command again" in message
+        assert final.read_text() == "the earlier version\n"  # untouched
+        assert not tmp.exists() and not tmp.is_symlink()
+
+
+def test_other_errors_are_not_called_a_full_disk(tmp_path: Path) -> None:
+    with pytest.raises(PermissionError), atomic_directory(tmp_path / "d"):
+        raise PermissionError(13, "Permission denied")
+    with pytest.raises(RuntimeError, match="a bug"), atomic_file(tmp_path / "f"):
+        raise RuntimeError("a bug")

@@ -3,6 +3,7 @@ are marked in MLflow."""
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,3 +137,31 @@ def test_a_job_without_a_model_is_recorded_without_a_warning(
     assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     (run_,) = runs(tmp_path)
     assert run_.info.status == "FAILED" and run_.info.run_name == "unknown-chitchat-job"
+
+
+def test_mlflow_internals_go_to_the_log_file_not_the_console(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A locked sqlite store makes MLflow's and SQLAlchemy's loggers print long tracebacks:
+    they belong in the run's log file (Hydra's file handler on the root logger)."""
+    log_file = tmp_path / "train.log"
+    handler = logging.FileHandler(log_file)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        tracker = build_tracker(TrackerConfig(), tmp_path, "run", output_dir=tmp_path / "job")
+        capfd.readouterr()
+        try:
+            raise RuntimeError("(sqlite3.OperationalError) database is locked")
+        except RuntimeError:
+            logging.getLogger("mlflow.store.db.utils").exception("mlflow's own report")
+            logging.getLogger("sqlalchemy.pool.impl.QueuePool").error("the pool's", exc_info=True)
+        tracker.close()
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+    console = "".join(capfd.readouterr())
+    assert "database is locked" not in console and "Traceback" not in console
+    logged = log_file.read_text()
+    assert "mlflow's own report" in logged and "the pool's" in logged
+    assert logged.count("RuntimeError: (sqlite3.OperationalError) database is locked") == 2
