@@ -25,7 +25,7 @@ from eagleforge.atomic import atomic_directory, is_disk_full
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
-from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums
+from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
 from eagleforge.formats.read import load_sglang
 from eagleforge.formats.write import write_sglang
 from eagleforge.parallel.dist import World
@@ -212,8 +212,8 @@ def _read_state(path: Path) -> dict[str, Any]:
         return torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu", mmap=True)
     except Exception as e:  # torch raises many types on bad files
         raise CheckpointError(
-            f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
-            "the one before, or set trainer.resume=never."
+            f"{path}: unreadable checkpoint ({TRAINING_STATE}: {unreadable_reason(e)}); delete "
+            "it to resume from the one before, or set trainer.resume=never."
         ) from None
 
 
@@ -237,9 +237,11 @@ def load_checkpoint(
     state = _read_state(path)
     try:
         _, tensors = load_sglang(path)
+    except CheckpointError:
+        raise
     except Exception as e:  # safetensors raises many types on bad files
         raise CheckpointError(
-            f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to resume from "
+            f"{path}: unreadable checkpoint ({unreadable_reason(e)}); delete it to resume from "
             "the one before, or set trainer.resume=never."
         ) from None
     check_draft_weights(module.draft, tensors, path)

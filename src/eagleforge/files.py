@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -87,3 +88,20 @@ def checksum_problem(directory: str | Path) -> str | None:
         if sha256_file(path / name) != digest:
             return f"{name} does not match its checksum in {CHECKSUMS}"
     return None
+
+
+def unreadable_reason(error: BaseException) -> str:
+    """Why torch or safetensors could not read a file, in one short line. Never torch's advice
+    to load it with ``weights_only=False``: that would run whatever code the file holds."""
+    text = str(error).strip()
+    if isinstance(error, pickle.UnpicklingError) or "weights_only" in text:
+        return (
+            "it holds objects other than tensors and plain containers, which eagleforge never "
+            "unpickles"
+        )
+    if "_use_new_zipfile_serialization" in text or "PytorchStreamReader" in text:
+        return "not a torch.save archive"
+    if "header too large" in text or "Error while deserializing header" in text:
+        return "not a safetensors file: its header is damaged"
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first if len(first) <= 160 else first[:159] + "…"

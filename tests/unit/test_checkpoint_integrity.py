@@ -106,3 +106,35 @@ def test_a_corrupt_checkpoint_is_refused_as_a_draft(tmp_path: Path) -> None:
     assert "model.safetensors does not match its checksum" in problem
     with pytest.raises(ConfigError, match="files are corrupt"):
         load_checked_draft(checkpoint, 6)
+
+
+class _RunsCode:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (print, ("this ran",))
+
+
+@pytest.mark.parametrize("content", ["raw pickle", "code, checksums forged"])
+def test_a_training_state_that_is_not_ours_is_named_without_torch_advice(
+    tmp_path: Path, content: str
+) -> None:
+    """A raw pickle (torch's mmap complaint) or a torch.save archive holding code under
+    recomputed checksums (torch's multi-line refusal, with its hint that weights_only=False
+    'will likely succeed'): one line each, and never that hint."""
+    import pickle
+
+    from eagleforge.checkpoint import TRAINING_STATE, read_progress
+    from eagleforge.files import record_checksums
+
+    (checkpoint,) = save_steps(tmp_path, 2)
+    state = checkpoint / TRAINING_STATE
+    if content == "raw pickle":
+        state.write_bytes(pickle.dumps({"progress": {"step": 2}}))
+    else:
+        torch.save({"progress": {"step": 2}, "x": _RunsCode()}, state)
+    record_checksums(checkpoint)
+    with pytest.raises(CheckpointError) as refused:
+        read_progress(checkpoint)
+    message = str(refused.value)
+    assert "\n" not in message and "weights_only" not in message and "mmap" not in message
+    expected = "not a torch.save archive" if content == "raw pickle" else "never unpickles"
+    assert expected in message

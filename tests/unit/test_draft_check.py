@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleforge.formats.check import check_draft
+from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.formats.check import check_draft, load_checked_draft
+from eagleforge.formats.read import read_draft
 from eagleforge.formats.write import export_sglang
 from helpers.drafts import tiny_draft
 
@@ -92,3 +95,22 @@ def test_each_problem_is_named(tmp_path: Path, break_it, message: str) -> None: 
     break_it(path)
     problems = check_draft(path, target_num_layers=4)
     assert any(message in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "header", [struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 40) + b'{"w": {"dtype"']
+)
+def test_a_damaged_draft_from_another_tool_is_one_problem(tmp_path: Path, header: bytes) -> None:
+    """No checksums.json (another trainer's draft): safetensors' own error on a header with an
+    absurd length or a torn JSON becomes one line naming the file, in export --check,
+    evaluate's loader and read_draft."""
+    export_sglang(tiny_draft(), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(header)
+    (problem,) = check_draft(tmp_path)
+    assert problem.startswith(f"{weights}: unreadable (not a safetensors file: its header")
+    with pytest.raises(ConfigError) as refused:
+        load_checked_draft(tmp_path, 6)
+    assert "\n" not in str(refused.value) and "SafetensorError" not in str(refused.value)
+    with pytest.raises(CheckpointError, match="model.safetensors: unreadable"):
+        read_draft(tmp_path)

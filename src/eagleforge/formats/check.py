@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import ConfigError
-from eagleforge.files import checksum_problem
+from eagleforge.files import checksum_problem, unreadable_reason
 from eagleforge.formats.kinds import DraftFormat
 from eagleforge.formats.read import (
     architecture_of,
@@ -99,7 +99,10 @@ def _inspect(
         problems += _vllm_ids_problem(config, layer_ids)
     if not weights_path.is_file():
         return [*problems, f"{path}: no model.safetensors"], config, {}
-    tensors = {from_format(k): v for k, v in load_file(str(weights_path)).items()}
+    try:
+        tensors = {from_format(k): v for k, v in load_file(str(weights_path)).items()}
+    except Exception as e:  # safetensors raises its own type, and OSError
+        return [*problems, f"{weights_path}: unreadable ({unreadable_reason(e)})"], config, {}
     hidden, draft_vocab = layer.get("hidden_size"), config.get("draft_vocab_size")
     vocab = layer.get("vocab_size")
     head = tensors.get("lm_head.weight")

@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagleforge.draft.model import DraftArchitecture
+from eagleforge.errors import CheckpointError
+from eagleforge.files import unreadable_reason
 from eagleforge.formats.kinds import VLLM_ARCHITECTURE, DraftFormat
 
 
@@ -32,9 +34,19 @@ def from_format(name: str) -> str:
 
 def read_draft(path: str | Path) -> tuple[DraftFormat, DraftArchitecture, dict[str, torch.Tensor]]:
     """A draft directory in any format: its format, architecture and tensors (eagleforge names)."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    config_path, weights_path = Path(path) / "config.json", Path(path) / "model.safetensors"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: unreadable ({unreadable_reason(e)})") from None
     fmt = detect_format(config)
-    tensors = load_file(str(Path(path) / "model.safetensors"))
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as e:  # safetensors raises its own type, and OSError
+        raise CheckpointError(
+            f"{weights_path}: unreadable ({unreadable_reason(e)}); export the draft again, or "
+            "fetch it again"
+        ) from None
     return fmt, architecture_of(config), {from_format(k): v for k, v in tensors.items()}
 
 
