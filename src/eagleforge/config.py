@@ -8,6 +8,8 @@ config is turned into these dataclasses (``to_typed``), before anything is built
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,3 +203,29 @@ def compose_config(overrides: list[str]) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose("config", overrides=overrides)
+
+
+def check_cli_overrides(args: list[str] | None = None) -> None:
+    """Every ``key=value`` of the command line (``sys.argv``) as Hydra will read it; one that
+    Hydra's parser refuses -- typically a path with spaces or non-ASCII letters typed as a
+    shell user types it -- ends the command in one line showing the quoting that works, where
+    Hydra would print its lexer's exception."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in sys.argv[1:] if args is None else args:
+        if arg.startswith("-") or "=" not in arg:
+            continue  # Hydra's own flags (-m, --cfg job, ...) and their values
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException:
+            key, value = arg.split("=", 1)
+            quoted = value.replace("\\", "\\\\").replace('"', '\\"')
+            hydra_quoted = shlex.quote(f'{key}="{quoted}"')
+            print(
+                f"error: Hydra cannot read the override {shlex.quote(arg)}: quote the value "
+                f"for Hydra, inside quotes for the shell: {hydra_quoted}",
+                file=sys.stderr,
+            )
+            sys.exit(2)

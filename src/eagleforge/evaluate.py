@@ -38,7 +38,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import load_draft_weights
-from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.config import (
+    EagleForgeConfig,
+    check_cli_overrides,
+    conf_dir,
+    register_configs,
+    to_typed,
+)
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
@@ -502,6 +508,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
+    check_cli_overrides()
     _hydra_main()
 
 

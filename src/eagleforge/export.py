@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.atomic import atomic_directory
-from eagleforge.config import conf_dir, register_configs, resolve_cache_dir
+from eagleforge.config import check_cli_overrides, conf_dir, register_configs, resolve_cache_dir
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats.check import check_draft
 from eagleforge.formats.config import ExportConfig, ExportDType
@@ -204,6 +204,7 @@ def main() -> None:
     if "--check" in sys.argv[1:]:
         sys.exit(check_main(sys.argv[1:]))
     register_configs()
+    check_cli_overrides()
     _hydra_main()
 
 

@@ -15,7 +15,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from eagleforge.config import conf_dir, register_configs, to_typed
+from eagleforge.config import check_cli_overrides, conf_dir, register_configs, to_typed
 from eagleforge.data.conversations import DataFormat
 from eagleforge.data.inspection import (
     ANSI_RESET,
@@ -68,6 +68,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
+    check_cli_overrides()
     _hydra_main()
 
 

@@ -26,7 +26,13 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from eagleforge.batch import IMAGE_KEYS
-from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.config import (
+    EagleForgeConfig,
+    check_cli_overrides,
+    conf_dir,
+    register_configs,
+    to_typed,
+)
 from eagleforge.data.collate import Collator
 from eagleforge.data.features import (
     Compression,
@@ -260,6 +266,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
+    check_cli_overrides()
     _hydra_main()
 
 

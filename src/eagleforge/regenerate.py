@@ -28,7 +28,13 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.config import (
+    EagleForgeConfig,
+    check_cli_overrides,
+    conf_dir,
+    register_configs,
+    to_typed,
+)
 from eagleforge.engine.client import SERVED_NAME, VLLMClient
 from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
@@ -252,6 +258,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
+    check_cli_overrides()
     _hydra_main()
 
 

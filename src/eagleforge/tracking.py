@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import shlex
 import shutil
 import signal
 import threading
@@ -369,7 +370,7 @@ class Spool:
 
 
 def sync_hint(directory: Path) -> str:
-    return f"python -m eagleforge.tracking sync {directory}"
+    return f"python -m eagleforge.tracking sync {shlex.quote(str(directory))}"
 
 
 class MLflowTracker:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import signal
 import sys
 from contextlib import nullcontext
@@ -23,7 +24,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from eagleforge.builder import build
-from eagleforge.config import EagleForgeConfig, conf_dir, register_configs, to_typed
+from eagleforge.config import (
+    EagleForgeConfig,
+    check_cli_overrides,
+    conf_dir,
+    register_configs,
+    to_typed,
+)
 from eagleforge.errors import EagleForgeError
 from eagleforge.locking import RUN_DIR_LOCK, exclusive
 from eagleforge.parallel.dist import World, distributed
@@ -144,7 +151,8 @@ def print_summary(result: TrainResult, tracker: object) -> None:
     if result.checkpoint is not None:
         lines.append(f"checkpoint (SGLang draft dir): {result.checkpoint}")
     if isinstance(tracker, MLflowTracker):
-        lines.append(f"browse the run: mlflow ui --backend-store-uri {tracker.tracking_uri}")
+        uri = shlex.quote(tracker.tracking_uri)
+        lines.append(f"browse the run: mlflow ui --backend-store-uri {uri}")
     print("\n".join(lines), flush=True)
 
 
@@ -188,6 +196,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
+    check_cli_overrides()
     _hydra_main()
 
 
