@@ -367,7 +367,12 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
     config_yaml = OmegaConf.to_yaml(container)
     run_name = default_run_name(config.model.name, config.data.name, output_dir)
     tracker = build_tracker(
-        config.tracker, config.output_root, run_name, is_main=world.is_main, output_dir=output_dir
+        config.tracker,
+        config.output_root,
+        run_name,
+        is_main=world.is_main,
+        output_dir=output_dir,
+        resume=checkpoint is not None,  # the MLflow run of the run that saved it goes on
     )
     tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
     if inputs.report is not None:

@@ -78,8 +78,10 @@ def save_checkpoint(
     progress: dict[str, int],
     config_yaml: str,
     world: World,
+    history: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete checkpoint at ``checkpoint_dir``; a crash mid-way leaves only a .tmp dir.
+    ``history``: the run's evaluations so far (``read_history``), which a resumed run keeps.
 
     Every rank calls it (the sharded state is gathered); rank 0 writes. A write error stops
     every rank with the same CheckpointError.
@@ -91,6 +93,7 @@ def save_checkpoint(
         "scheduler": scheduler.state_dict(),
         "rng": every_rank_rng_state(world),
         "progress": dict(progress),
+        "history": dict(history or {}),
     }
     world.on_main(
         lambda: _write(final, module.draft.arch, tensors, state, config_yaml),
@@ -215,6 +218,12 @@ def _read_state(path: Path) -> dict[str, Any]:
             f"{path}: unreadable checkpoint ({TRAINING_STATE}: {unreadable_reason(e)}); delete "
             "it to resume from the one before, or set trainer.resume=never."
         ) from None
+
+
+def read_history(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The evaluations a checkpoint's run had made (``save_checkpoint``'s ``history``); empty
+    for checkpoints saved before it was kept."""
+    return dict(_read_state(Path(checkpoint_dir)).get("history") or {})
 
 
 def read_progress(checkpoint_dir: str | Path) -> dict[str, int]:

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Protocol
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from eagleforge.atomic import atomic_file
 from eagleforge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -397,6 +398,7 @@ class MLflowTracker:
         spool_root: Path | None = None,
         close_timeout_s: float = 5.0,
         queue_size: int = QUEUE_SIZE,
+        continue_run: str | None = None,
     ) -> None:
         import mlflow
 
@@ -410,7 +412,8 @@ class MLflowTracker:
             self.run_id = active.info.run_id
         else:
             self.tracking_uri = tracking_uri
-            self.run_id = self._start_run(experiment, run_name, artifact_root, tags)
+            continued = self._continue_run(continue_run) if continue_run else None
+            self.run_id = continued or self._start_run(experiment, run_name, artifact_root, tags)
         self.spool = Spool(
             (spool_root or artifact_root.parent / "mlflow_spool") / self.run_id,
             {"tracking_uri": self.tracking_uri, "run_id": self.run_id},
@@ -429,6 +432,22 @@ class MLflowTracker:
         self._sender = threading.Thread(target=self._send_all, name="mlflow-sender", daemon=True)
         self._sender.start()
         MLflowTracker.last = self
+
+    def _continue_run(self, run_id: str) -> str | None:
+        """Mark the run a resumed training run started RUNNING again and log into it (its
+        steps go on); None, with a warning, where the store no longer has it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client = _client(self.tracking_uri)
+            if self.client.get_run(run_id).info.lifecycle_stage != "active":
+                raise MlflowException(f"run {run_id} was deleted")
+            self.client.update_run(run_id, status="RUNNING")
+        except MlflowException as e:
+            log.warning("cannot continue MLflow run %s (%s); starting a new run", run_id, _why(e))
+            return None
+        log.info("continuing MLflow run %s", run_id)
+        return run_id
 
     def _start_run(
         self,
@@ -714,11 +733,17 @@ def build_tracker(
     is_main: bool = True,
     tags: Mapping[str, str] | None = None,
     output_dir: str | Path | None = None,
+    resume: bool = False,
 ) -> Tracker:
     """The tracker of this process: a NullTracker on every process but the main one
     (``world.is_main``), so that one run is logged however many processes train. ``tags`` go
     on the MLflow run; null = ``hydra_job_tags()``. What MLflow cannot take is spooled in
-    ``<output_dir>/mlflow_spool`` (null = ``<output_root>/mlflow_spool``)."""
+    ``<output_dir>/mlflow_spool`` (null = ``<output_root>/mlflow_spool``).
+
+    The run's id is recorded in ``<output_dir>/mlflow_run.json``; with ``resume`` (a training
+    run continued from its checkpoint) the run recorded there, in the same store, goes on
+    instead of a new one starting, so one training run is one MLflow run however often it
+    was stopped."""
     if not is_main:
         return NullTracker()
     if cfg.kind == TrackerKind.console:
@@ -729,7 +754,8 @@ def build_tracker(
         or default_tracking_uri(output_root)
     )
     Path(output_root).mkdir(parents=True, exist_ok=True)
-    return MLflowTracker(
+    record = Path(output_dir) / RUN_RECORD if output_dir is not None else None
+    tracker = MLflowTracker(
         uri,
         cfg.experiment,
         cfg.run_name or run_name,
@@ -737,7 +763,26 @@ def build_tracker(
         hydra_job_tags() if tags is None else tags,
         spool_root=Path(output_dir or output_root) / "mlflow_spool",
         close_timeout_s=cfg.close_timeout_s,
+        continue_run=_recorded_run(record, uri) if resume and record is not None else None,
     )
+    if record is not None and tracker.owns_run:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(record) as tmp:
+            tmp.write_text(json.dumps({"tracking_uri": uri, "run_id": tracker.run_id}) + "\n")
+    return tracker
+
+
+# Where a training run's directory records its MLflow run (``build_tracker``).
+RUN_RECORD = "mlflow_run.json"
+
+
+def _recorded_run(record: Path, uri: str) -> str | None:
+    """The run id ``record`` holds for the store ``uri``; None where there is none."""
+    try:
+        recorded = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded.get("run_id") if recorded.get("tracking_uri") == uri else None
 
 
 def _config_text(cfg: DictConfig, key: str, default: str) -> str:
@@ -786,8 +831,8 @@ def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = Tru
 
 def record_stop(signum: int, cfg: DictConfig, *, is_main: bool = True) -> None:
     """After a signal stopped a run that then saved and closed its MLflow run: mark that run
-    KILLED with the signal as the ``stopped_by`` tag. A requeued job logs a new run with the
-    same name and tags, so each segment of a preempted job stays visible. ``cfg`` is the
+    KILLED with the signal as the ``stopped_by`` tag. A requeued job continues that run
+    (``build_tracker``'s ``resume``), which is RUNNING again until it ends. ``cfg`` is the
     run's composed root config; never raises."""
     tracker = MLflowTracker.last  # the run this job's tracker started and closed
     if not is_main or tracker is None:

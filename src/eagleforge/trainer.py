@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from eagleforge.batch import TTTBatch
-from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, save_checkpoint
+from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, read_history, save_checkpoint
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import (
     TTTModule,
@@ -294,6 +294,7 @@ class Trainer:
         self.eval_loader = parts.batches.eval_loader()
         self.step, self.epoch = 0, 0
         self.resumed_from: Path | None = None
+        self.result = TrainResult(step=0)  # what train() returns; a resumed run's goes on
         # global batches of the epoch used before its loader started (resumed runs), and this
         # rank's batches drawn from the loader since
         self.epoch_start, self.batches_into_epoch = 0, 0
@@ -345,6 +346,15 @@ class Trainer:
         )
         self.step, self.epoch = progress["step"], progress["epoch"]
         self.resumed_from = checkpoint
+        # the evaluations before the stop: the summary and the learning curve go on from them
+        history = read_history(checkpoint)
+        self.result.initial_eval = history.get("initial_eval", {})
+        self.result.eval_by_step = history.get("eval_by_step", {})
+        self.result.tau_by_step = history.get("tau_by_step", {})
+        self.result.final_eval = self.result.eval_by_step.get(self.step, {})
+        best = self.checkpoint_dir("best")
+        if self.result.tau_by_step and (best / TRAINING_STATE).is_file():
+            self.result.best_checkpoint = best
         saved_shards = progress.get("data_shards", 1)
         # (checkpoints of one-process runs before data sharding counted that rank's batches)
         used = progress.get("global_batches_into_epoch", progress.get("batches_into_epoch", 0))
@@ -408,6 +418,11 @@ class Trainer:
             self.progress(),
             self.parts.config_yaml,
             self.world,
+            history={
+                "initial_eval": self.result.initial_eval,
+                "eval_by_step": self.result.eval_by_step,
+                "tau_by_step": self.result.tau_by_step,
+            },
         )
         if name is None and self.cfg.keep_last_n is not None and self.world.is_main:
             steps = sorted(path.parent.glob("step_*"))
@@ -490,7 +505,8 @@ class Trainer:
                     self.profiler.stop()
 
     def _train(self) -> TrainResult:
-        cfg, result = self.cfg, TrainResult(step=self.step)
+        cfg, result = self.cfg, self.result
+        result.step = self.step
         if self.resumed_from is not None and self.step >= self.max_num_steps:
             return self._already_complete()
         self.module.train()

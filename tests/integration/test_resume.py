@@ -299,3 +299,23 @@ def test_the_last_checkpoint_is_written_after_the_final_eval(
     result = run(compose_config(overrides(tmp_path, "order", *args)))
     assert calls == ["eval 0", "save 1", "eval 2", "save 2"]
     assert result.checkpoint is not None and read_progress(result.checkpoint)["step"] == 2
+
+
+def test_a_resumed_run_goes_on_in_the_same_mlflow_run_and_keeps_its_first_eval(
+    tmp_path: Path,
+) -> None:
+    import mlflow
+
+    args = ("tracker=mlflow", "trainer.log_every_n_steps=1")
+    first = run(compose_config(overrides(tmp_path, "one", *args, "trainer.max_num_steps=4")))
+    resumed = run(compose_config(overrides(tmp_path, "one", *args, "trainer.max_num_steps=6")))
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (only,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    recorded = json.loads((tmp_path / "one" / "mlflow_run.json").read_text())
+    assert recorded["run_id"] == only.info.run_id and only.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(only.info.run_id, "train/loss")]
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    assert resumed.initial_eval == first.initial_eval != {}
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["initial_eval"] == first.initial_eval
+    assert sorted(summary["eval_by_step"]) == ["0", "4", "6"]
