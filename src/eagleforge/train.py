@@ -37,7 +37,7 @@ from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.launch import is_main_process
 from eagleforge.preflight import check_inputs
 from eagleforge.profiling import StepProfiler
-from eagleforge.speculative.report import plot_tau_by_step
+from eagleforge.speculative.report import plot_learning_curve
 from eagleforge.targets.base import release
 from eagleforge.tracking import (
     MLflowTracker,
@@ -82,12 +82,26 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         report_profile(trainer.profiler, world, tracker)
     if world.is_main:
         tracker.log_artifact(write_summary(result, output_dir / "summary.json"))
-        if result.tau_by_step:  # the learning curve: real τ against the step
-            series = {"real τ": sorted(result.tau_by_step.items())}
-            tracker.log_artifact(plot_tau_by_step(series, output_dir / "tau_by_step.png"))
+        if result.eval_by_step or result.tau_by_step:  # the learning curve
+            curve = plot_learning_curve(
+                result.eval_by_step,
+                result.tau_by_step,
+                run_title(config, output_dir),
+                output_dir / "tau_by_step.png",
+            )
+            tracker.log_artifact(curve)
         print_summary(result, tracker)
     tracker.close()
     return result
+
+
+def run_title(config: EagleForgeConfig, output_dir: Path) -> str:
+    """A run in a line: its directory, target, data and draft's TTT length."""
+    data = config.data.name + (f" ({config.data.path})" if config.data.path else "")
+    return (
+        f"{output_dir.name}: {config.model.name} on {data}, TTT {config.draft.ttt_length}, "
+        f"loss {config.loss.kind.value}, {config.optimizer.kind.value} lr {config.optimizer.lr:g}"
+    )
 
 
 def report_profile(profiler: StepProfiler, world: World, tracker: Tracker) -> None:

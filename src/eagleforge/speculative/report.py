@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from eagleforge.speculative.decoder import DecodeResult
 
@@ -211,6 +212,66 @@ def plot_tau_by_step(points: dict[str, list[tuple[int, float]]], path: Path) -> 
     ax.set_xlabel("training step")
     ax.set_ylabel("τ")
     fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def learning_curve_figure(
+    eval_by_step: dict[int, dict[str, float]], tau_by_step: dict[int, float], title: str
+) -> Any:
+    """A training run's learning curve as one matplotlib figure: above, eval τ_sim by step
+    with the real-τ measurements on it (τ from 1, where a draft starts); below, eval acc_i of
+    every TTT position by step (from 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(eval_by_step)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    taus = [eval_by_step[s]["eval/tau_sim"] for s in steps if "eval/tau_sim" in eval_by_step[s]]
+    if taus:
+        top.plot([s for s in steps if "eval/tau_sim" in eval_by_step[s]], taus, marker="o",
+                 label="eval τ_sim (held-out conversations)")  # fmt: skip
+    if tau_by_step:
+        real = sorted(tau_by_step.items())
+        top.plot([s for s, _ in real], [t for _, t in real], "s", color="C3", ms=7,
+                 label="real τ (speculative decoding, held-out prompts)")  # fmt: skip
+    highest = max([*taus, *tau_by_step.values(), 1.0])
+    top.set_ylim(1.0, highest + max(0.1, 0.1 * (highest - 1.0)))
+    top.set_ylabel("τ (tokens per verification)")
+    top.legend(fontsize=8, loc="lower right")
+    positions = sorted(
+        {int(k.rsplit("_", 1)[1]) for m in eval_by_step.values() for k in m if k.startswith("eval/acc_")}
+    )  # fmt: skip
+    for i in positions:
+        key = f"eval/acc_{i}"
+        points = [(s, eval_by_step[s][key]) for s in steps if key in eval_by_step[s]]
+        bottom.plot([s for s, _ in points], [a for _, a in points], marker=".", label=f"acc_{i}")
+    accs = [m[k] for m in eval_by_step.values() for k in m if k.startswith("eval/acc_")]
+    bottom.set_ylim(0.0, min(1.0, max([*accs, 0.0]) * 1.15 + 0.02))
+    bottom.set_ylabel("eval accuracy by TTT position")
+    bottom.set_xlabel("training step")
+    if positions:
+        bottom.legend(fontsize=8, ncol=min(4, len(positions)), loc="lower right")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_learning_curve(
+    eval_by_step: dict[int, dict[str, float]],
+    tau_by_step: dict[int, float],
+    title: str,
+    path: Path,
+) -> Path:
+    """``learning_curve_figure`` written to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = learning_curve_figure(eval_by_step, tau_by_step, title)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
