@@ -59,6 +59,24 @@ class TTTBatch:
         return self.input_ids_BT.shape[1] - self.halo
 
 
+@dataclass
+class BlockBatch:
+    """One micro-batch as a block draft (DFlash) sees it: the target's tapped states at every
+    position and the anchors its blocks start at (no teacher: the labels are the tokens)."""
+
+    input_ids_BT: torch.Tensor
+    valid_BT: torch.Tensor  # bool: real token (not padding)
+    loss_mask_BT: torch.Tensor  # bool: supervised (assistant) token
+    aux_BTA: torch.Tensor  # concat of the tapped target states
+    anchors_BN: torch.Tensor | None = None  # long: block start positions, -1 = none
+    document_ids_BT: torch.Tensor | None = None
+    position_ids_BT: torch.Tensor | None = None
+
+    @property
+    def computed_length(self) -> int:
+        return self.input_ids_BT.shape[1]
+
+
 def shift_left(x_BT: torch.Tensor, n: int) -> torch.Tensor:
     """out[:, t] = x[:, t + n], zero (False) past the end."""
     out = torch.zeros_like(x_BT)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from eagleforge.batch import TTTBatch
+from eagleforge.batch import BlockBatch
 from eagleforge.checkpoint import (
     checksum_problem,
     explicit_checkpoint,
@@ -37,7 +37,24 @@ from eagleforge.data.loader import make_loader
 from eagleforge.data.preprocess import DataReport, TokenizedDataset
 from eagleforge.data.split import build_datasets
 from eagleforge.data.vocab import cached_vocab_map
-from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftInit, Eagle3Draft
+from eagleforge.draft.dflash import (
+    BlockModule,
+    DFlashArchitecture,
+    DFlashDraft,
+    anchor_candidates,
+    block_weights,
+    check_block_fits,
+    mask_token_for,
+    select_anchors,
+)
+from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
+from eagleforge.draft.model import (
+    AttentionBackend,
+    DraftArchitecture,
+    DraftFamily,
+    DraftInit,
+    Eagle3Draft,
+)
 from eagleforge.draft.ttt import TTTModule, step_weights
 from eagleforge.errors import ConfigError
 from eagleforge.formats.check import check_draft
@@ -58,7 +75,7 @@ from eagleforge.targets.source import (
     load_tokenizer,
     resolve_model_dir,
 )
-from eagleforge.targets.teacher import teacher_batch
+from eagleforge.targets.teacher import block_batch, teacher_batch
 from eagleforge.tracking import build_tracker, default_run_name, flatten
 from eagleforge.trainer import Components
 
@@ -173,7 +190,7 @@ def resolve_packing(config: EagleForgeConfig, target: Any) -> bool:
     return blocker is None and config.target.supports_packing()
 
 
-def init_from(draft: Eagle3Draft, path: Path, target_num_layers: int) -> None:
+def init_from(draft: AnyDraft, path: Path, target_num_layers: int) -> None:
     """Fine-tune: the draft's weights and vocab map from a checkpoint or a draft exported in
     any format (by any tool), checked first."""
     problems = check_draft(path, target_num_layers)
@@ -213,7 +230,7 @@ class TrainBatches:
         self,
         config: EagleForgeConfig,
         inputs: Inputs,
-        draft: Eagle3Draft,
+        draft: AnyDraft,
         pad_id: int,
         packing: bool,
         world: World,
@@ -224,11 +241,14 @@ class TrainBatches:
         self.ttt_length = config.draft.ttt_length
         self.inputs, self.pad_id, self.packing = inputs, pad_id, packing
         self.world, self.sp = world, sp
-        # the draft's own map: with model.draft_init it is the initial draft's, not this data's
-        self.draft_ids_W = draft.draft_to_target_ids(
-            torch.arange(len(draft.d2t), device=world.device)
-        )
-        self.t2d_V = draft.t2d
+        self.dflash = config.draft.dflash if isinstance(draft, DFlashDraft) else None
+        if isinstance(draft, Eagle3Draft):
+            # the draft's own map: with model.draft_init it is the initial draft's, not this
+            # data's
+            self.draft_ids_W = draft.draft_to_target_ids(
+                torch.arange(len(draft.d2t), device=world.device)
+            )
+            self.t2d_V = draft.t2d
 
     def close(self) -> None:
         """Stop what the target runs outside this process (target=vllm: its engine)."""
@@ -258,7 +278,9 @@ class TrainBatches:
             return None
         return self._loader(self.inputs.eval, shuffle_seed=None)
 
-    def make_batch(self, batch: dict[str, torch.Tensor]) -> TTTBatch:
+    def make_batch(self, batch: dict[str, torch.Tensor], train: bool = True) -> AnyBatch:
+        if self.dflash is not None:
+            return self._block_batch(batch, train)
         ttt_batch = teacher_batch(
             self.inputs.target, batch, self.draft_ids_W, self.t2d_V, self.teacher_chunk_size
         )
@@ -266,10 +288,46 @@ class TrainBatches:
             return shard_sequence(ttt_batch, self.sp, self.ttt_length)
         return ttt_batch
 
+    def _block_batch(self, batch: dict[str, torch.Tensor], train: bool) -> BlockBatch:
+        """A DFlash batch: anchors drawn with the run's RNG in training (its state is in every
+        checkpoint, so a resumed run draws the same), and the same ones at every evaluation
+        (a generator seeded from the run's seed and the batch's tokens)."""
+        assert self.dflash is not None
+        out = block_batch(self.inputs.target, batch)
+        generator = None
+        if not train:
+            seed = self.seed * 1_000_003 + int(out.input_ids_BT.sum())
+            generator = torch.Generator().manual_seed(seed)
+        out.anchors_BN = select_anchors(anchor_candidates(out), self.dflash.num_anchors, generator)
+        return out
 
-def build_draft(config: EagleForgeConfig, inputs: Inputs, world: World) -> Eagle3Draft:
+
+def build_dflash_draft(
+    config: EagleForgeConfig, inputs: Inputs, world: World, tokenizer: Any
+) -> DFlashDraft:
+    """A DFlash draft for this target, tapping the run's aux layers, reading the target's
+    embedding and lm_head; initialised from ``model.draft_init`` when given; on the device."""
+    target, cfg = inputs.target, config.draft.dflash
+    mask = mask_token_for(cfg.mask_token_id, tokenizer)
+    arch = DFlashArchitecture.from_target(target.config, cfg, target.aux_layer_ids, mask)
+    check_block_fits(arch, config.data.max_length)
+    draft = DFlashDraft(arch)
+    draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
+    if config.model.draft_init:
+        init_from(draft, Path(config.model.draft_init), arch.num_target_layers)
+    draft.to(world.device)
+    draft.set_target_weights(target.input_embedding(), target.lm_head_weight())
+    apply_master_dtype(draft, config.optimizer)
+    return draft
+
+
+def build_draft(
+    config: EagleForgeConfig, inputs: Inputs, world: World, tokenizer: Any = None
+) -> AnyDraft:
     """The draft for this target, its vocabulary map from the training data's supervised
     tokens (cached), initialised from ``model.draft_init`` when given; on the device."""
+    if config.draft.family == DraftFamily.dflash:
+        return build_dflash_draft(config, inputs, world, tokenizer)
     target = inputs.target
     arch = DraftArchitecture.from_target(target.config, config.draft, target.aux_layer_ids)
     with world.main_first():  # rank 0 fills the vocab-map cache
@@ -300,12 +358,19 @@ def build_draft(config: EagleForgeConfig, inputs: Inputs, world: World) -> Eagle
     return draft
 
 
-def ttt_module(
-    config: EagleForgeConfig, draft: Eagle3Draft, world: World, sp: SequenceParallel
-) -> TTTModule:
-    """The draft with the unrolled TTT as its forward, its attention the configured backend
-    (sequence-parallel attention over the world's sp ranks under usp), sharded over every
-    rank."""
+def training_module(
+    config: EagleForgeConfig, draft: AnyDraft, world: World, sp: SequenceParallel
+) -> TrainingModule:
+    """The draft with its training forward, sharded over every rank: DFlash's blocks, or
+    EAGLE-3's unrolled TTT with the configured attention backend (sequence-parallel attention
+    over the world's sp ranks under usp)."""
+    if isinstance(draft, DFlashDraft):
+        if sp.size > 1:
+            raise ConfigError(
+                "draft.family=dflash does not train sequence-parallel; set parallel.sp_ulysses "
+                "and parallel.sp_ring to 1."
+            )
+        return shard_draft(BlockModule(draft), world, config.parallel)
     attention = config.draft.attention_for(world.device)
     ttt_attention: AttentionBackend | USPBackend = attention
     if attention == AttentionBackend.usp:
@@ -316,6 +381,14 @@ def ttt_module(
         draft, config.draft.ttt_length, ttt_attention, config.draft.compile, loss=config.loss
     )
     return shard_draft(module, world, config.parallel)
+
+
+def loss_weights(config: EagleForgeConfig, device: torch.device) -> torch.Tensor:
+    """The loss weight of each TTT step (EAGLE-3) or block slot 1 .. B-1 (DFlash)."""
+    if config.draft.family == DraftFamily.dflash:
+        dflash = config.draft.dflash
+        return block_weights(dflash.block_size, dflash.gamma, device)
+    return step_weights(config.draft.ttt_length, config.draft.step_weight_decay, device)
 
 
 def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components:
@@ -340,9 +413,9 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         len(inputs.eval or []),
         inputs.train.num_tokens(),
     )
-    draft = build_draft(config, inputs, world)
+    draft = build_draft(config, inputs, world, tokenizer)
     sp = SequenceParallel.from_world(world)
-    module = ttt_module(config, draft, world, sp)
+    module = training_module(config, draft, world, sp)
     packing = resolve_packing(config, inputs.target)
     if packing:
         log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
@@ -384,9 +457,7 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         optimizer=optimizer,
         scheduler=scheduler,
         tracker=tracker,
-        weights_k=step_weights(
-            config.draft.ttt_length, config.draft.step_weight_decay, world.device
-        ),
+        weights_k=loss_weights(config, world.device),
         max_grad_norm=config.optimizer.max_grad_norm,
         max_num_steps=max_num_steps,
         world=world,

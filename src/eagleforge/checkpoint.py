@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from eagleforge.atomic import atomic_directory, is_disk_full
-from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.draft.ttt import TTTModule
+from eagleforge.draft.dflash import DFlashArchitecture
+from eagleforge.draft.family import AnyDraft, TrainingModule
+from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
 from eagleforge.formats.read import load_sglang
@@ -72,7 +73,7 @@ def every_rank_rng_state(world: World) -> list[dict[str, Any]]:
 
 def save_checkpoint(
     checkpoint_dir: str | Path,
-    module: TTTModule,
+    module: TrainingModule,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     progress: dict[str, int],
@@ -104,7 +105,7 @@ def save_checkpoint(
 
 def _write(
     final: Path,
-    arch: DraftArchitecture,
+    arch: DraftArchitecture | DFlashArchitecture,
     tensors: dict[str, torch.Tensor],
     state: dict[str, Any],
     config_yaml: str,
@@ -184,7 +185,7 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     return None
 
 
-def check_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], path: Path) -> None:
+def check_draft_weights(draft: AnyDraft, tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Raise CheckpointError unless ``tensors`` hold every trained tensor of the draft (all but
     the frozen embedding) in the draft's shapes."""
     own = draft.state_dict()
@@ -202,7 +203,7 @@ def check_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], pa
         )
 
 
-def load_draft_weights(draft: Eagle3Draft, tensors: dict[str, torch.Tensor], path: Path) -> None:
+def load_draft_weights(draft: AnyDraft, tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Every trained tensor of a (one-process) draft, shapes checked."""
     check_draft_weights(draft, tensors, path)
     device = next(draft.parameters()).device
@@ -233,7 +234,7 @@ def read_progress(checkpoint_dir: str | Path) -> dict[str, int]:
 
 def load_checkpoint(
     checkpoint_dir: str | Path,
-    module: TTTModule,
+    module: TrainingModule,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     world: World,

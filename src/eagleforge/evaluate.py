@@ -45,6 +45,8 @@ from eagleforge.config import (
     register_configs,
     to_typed,
 )
+from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
+from eagleforge.draft.family import AnyDraft
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
@@ -55,6 +57,7 @@ from eagleforge.formats.kinds import DraftFormat
 from eagleforge.formats.read import read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs
+from eagleforge.speculative.block_decoder import decoder_for
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import (
     DecodeResult,
@@ -127,11 +130,14 @@ def _step(path: Path) -> int:
     return int(match.group(1)) if match else 0
 
 
-def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draft:
-    """A draft from an SGLang-format directory, with the target's embedding; ConfigError
-    when it was trained for another target."""
+def load_draft(path: Path, target: HFTarget, device: torch.device) -> AnyDraft:
+    """A draft from its directory (EAGLE-3 in any format, or DFlash), with the target's
+    embedding (and a DFlash draft's lm_head); ConfigError when it was trained for another
+    target."""
     layers = int(target.config.get_text_config().num_hidden_layers)
     arch, tensors = load_checked_draft(path, layers)
+    if isinstance(arch, DFlashArchitecture):
+        return load_dflash_draft(path, arch, tensors, target, device)
     vocab = int(target.config.get_text_config().vocab_size)
     hidden = int(target.config.get_text_config().hidden_size)
     if arch.vocab_size != vocab or arch.target_hidden_size != hidden:
@@ -149,6 +155,32 @@ def load_draft(path: Path, target: HFTarget, device: torch.device) -> Eagle3Draf
     load_draft_weights(draft, tensors, path)
     draft.load_embedding(target.input_embedding().detach().float().cpu())
     return draft.to(device).eval()
+
+
+def load_dflash_draft(
+    path: Path,
+    arch: DFlashArchitecture,
+    tensors: dict[str, torch.Tensor],
+    target: HFTarget,
+    device: torch.device,
+) -> DFlashDraft:
+    text = target.config.get_text_config()
+    if arch.vocab_size != text.vocab_size or arch.target_hidden_size != text.hidden_size:
+        raise ConfigError(
+            f"{path}: this DFlash draft was trained for a target with vocab {arch.vocab_size} "
+            f"and hidden size {arch.target_hidden_size}, but +model gives vocab "
+            f"{text.vocab_size} and hidden size {text.hidden_size}; choose its target model."
+        )
+    if arch.target_layer_ids != target.aux_layer_ids:
+        raise ConfigError(
+            f"{path}: the draft taps target layers {arch.target_layer_ids}, the other drafts "
+            f"evaluated with it read {target.aux_layer_ids}; evaluate them separately."
+        )
+    draft = DFlashDraft(arch)
+    load_draft_weights(draft, tensors, path)
+    draft.to(device)
+    draft.set_target_weights(target.input_embedding().float(), target.lm_head_weight().float())
+    return draft.eval()
 
 
 def evaluate_draft(
@@ -321,6 +353,12 @@ def export_for_vllm(draft: Path, out: Path) -> Path:
     return export(ExportConfig(draft=str(draft), format=DraftFormat.vllm, output_dir=str(out)))
 
 
+def block_size(draft_dir: Path) -> int | None:
+    """A DFlash draft's block size (None for EAGLE-3): vLLM serves it with method dflash."""
+    arch = read_sglang_architecture(draft_dir)
+    return arch.block_size if isinstance(arch, DFlashArchitecture) else None
+
+
 def evaluate_with_vllm(
     config: EagleForgeConfig,
     drafts: list[tuple[int, Path]],
@@ -363,7 +401,7 @@ def evaluate_with_vllm(
                 label = setting.label.replace("/", "-")
                 with VLLMServer(
                     vcfg, model_dir, logs / f"{path.name}-{label}.log", dtype,
-                    speculative=speculative_config(exported, setting),
+                    speculative=speculative_config(exported, setting, block_size(exported)),
                     name=f"vLLM ({path.name}, {setting.label})", seed=config.seed,
                 ) as server:  # fmt: skip
                     for prompt_set in sets:
@@ -435,6 +473,7 @@ def run(cfg: DictConfig) -> list[Summary]:
         ecfg.prompt_sets(), ecfg.multi_turn, ecfg.max_prompts, config.data.is_vlm
     )
     arch = read_sglang_architecture(drafts[0][1])
+    taps = arch.target_layer_ids if isinstance(arch, DFlashArchitecture) else arch.aux_layer_ids
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data
     if data.is_vlm:  # prompts with images, rendered and processed as training does
@@ -460,16 +499,14 @@ def run(cfg: DictConfig) -> list[Summary]:
     tau_by_step: dict[str, list[tuple[int, float]]] = {}
     sweep = len(settings) > 1
     if "hf" in engines:
-        target = build_hf_target(
-            config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
-        )
+        target = build_hf_target(config.model, config.target, model_dir, device, aux_layer_ids=taps)
         eos = eos_ids(renderer.tokenizer, target)
         # greedy decoding by the target alone is the same for every setting: decoded once
         baselines: Baselines | None = {} if ecfg.temperature == 0 else None
         for step, path in drafts:
             draft = load_draft(path, target, device)
             for setting in settings:
-                decoder = SpeculativeDecoder(target, draft, setting, eos)
+                decoder = decoder_for(target, draft, setting, eos)
                 for summary in evaluate_sets(
                     config, decoder, renderer, path, step, sets, device, tracker, baselines, sweep
                 ):

@@ -1,5 +1,5 @@
-"""Torch building blocks the draft and the targets both use: RMSNorm, RoPE's half rotation,
-and the causal mask of padded or packed rows. Imports nothing of eagleforge.
+"""Torch building blocks the drafts and the targets share: RMSNorm, the SiLU-gated MLP, RoPE's
+half rotation, and the causal mask of padded or packed rows. Imports nothing of eagleforge.
 
 Shape suffixes: B batch, T sequence.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -66,3 +67,16 @@ class RMSNorm(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """The Llama / Qwen MLP: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -28,16 +28,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from eagleforge.batch import TTTBatch
 from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, read_history, save_checkpoint
-from eagleforge.draft.model import Eagle3Draft
-from eagleforge.draft.ttt import (
-    TTTModule,
-    TTTStats,
-    count_positions,
-    loss_scales,
-    simulated_acceptance_length,
-)
+from eagleforge.draft.dflash import BlockStats
+from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule, empty_like
+from eagleforge.draft.ttt import TTTStats, simulated_acceptance_length
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
@@ -124,15 +118,15 @@ class StepSums:
     num_tokens: int = 0
 
     @classmethod
-    def zeros(cls, ttt_length: int) -> StepSums:
+    def zeros(cls, num_positions: int) -> StepSums:
         return cls(
-            torch.zeros(ttt_length, dtype=torch.float64),
-            torch.zeros(ttt_length, dtype=torch.long),
-            torch.zeros(ttt_length, dtype=torch.long),
-            torch.zeros(ttt_length, dtype=torch.float64),
+            torch.zeros(num_positions, dtype=torch.float64),
+            torch.zeros(num_positions, dtype=torch.long),
+            torch.zeros(num_positions, dtype=torch.long),
+            torch.zeros(num_positions, dtype=torch.float64),
         )
 
-    def add(self, stats: TTTStats | StepSums, tokens: int) -> None:
+    def add(self, stats: TTTStats | BlockStats | StepSums, tokens: int) -> None:
         """Add one micro-batch's stats (or another window's sums) covering ``tokens`` tokens."""
         self.loss_sum_k += stats.loss_sum_k.detach().double().cpu()
         self.num_counted_k += stats.num_counted_k.cpu()
@@ -253,8 +247,9 @@ class BatchSource(Protocol):
         """This rank's held-out batches; None without an eval split."""
         ...
 
-    def make_batch(self, batch: dict[str, torch.Tensor]) -> TTTBatch:
-        """A collated batch (on the device) as the TTT sees it: the teacher computed."""
+    def make_batch(self, batch: dict[str, torch.Tensor], train: bool = True) -> AnyBatch:
+        """A collated batch (on the device) as the draft's training sees it: EAGLE-3's with
+        the teacher computed, DFlash's with its anchors drawn (fixed ones when not ``train``)."""
         ...
 
 
@@ -262,18 +257,18 @@ class BatchSource(Protocol):
 class Components:
     """Everything the trainer runs with, built from the config (``builder.build``)."""
 
-    module: TTTModule  # the draft with the unrolled TTT as its forward (FSDP-wrapped)
+    module: TrainingModule  # the draft with its training forward (FSDP-wrapped)
     batches: BatchSource
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     tracker: Tracker
-    weights_k: torch.Tensor  # loss weight of each TTT step
+    weights_k: torch.Tensor  # loss weight of each TTT step (block slot)
     max_grad_norm: float  # 0 = no clipping
     max_num_steps: int
     world: World
     output_dir: Path
     config_yaml: str  # the resolved config, saved in every checkpoint
-    tau_probe: Callable[[Eagle3Draft], float] | None = None  # rank 0's real-τ measurement
+    tau_probe: Callable[[AnyDraft], float] | None = None  # rank 0's real-τ measurement
     checkpoint: Path | None = None  # the checkpoint to resume from
     profile: ProfileConfig | None = None  # profile steps of the run (profile.enabled)
 
@@ -289,7 +284,8 @@ class Trainer:
         self.module, self.batches, self.world = parts.module, parts.batches, parts.world
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.tracker, self.output_dir = parts.tracker, parts.output_dir
-        self.ttt_length, self.weights_k = parts.module.ttt_length, parts.weights_k
+        # per-position metrics: one per TTT step (EAGLE-3) or per block slot after the first
+        self.num_positions, self.weights_k = parts.module.num_positions, parts.weights_k
         self.max_num_steps, self.device = parts.max_num_steps, parts.world.device
         self.eval_loader = parts.batches.eval_loader()
         self.step, self.epoch = 0, 0
@@ -300,7 +296,7 @@ class Trainer:
         self.epoch_start, self.batches_into_epoch = 0, 0
         self.tau_probe = parts.tau_probe  # rank 0's, when trainer.eval_tau_every_n_steps is set
         self.profiler: StepProfiler | None = None
-        self._replica: Eagle3Draft | None = None  # rank 0's whole draft for τ, when sharded
+        self._replica: AnyDraft | None = None  # rank 0's whole draft for τ, when sharded
         self.stop = StopSignals()
         bf16 = cfg.compute_dtype == ComputeDType.bfloat16 or (
             cfg.compute_dtype == ComputeDType.auto and self.device.type == "cuda"
@@ -373,9 +369,9 @@ class Trainer:
 
     def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
         batches = [self.batches.make_batch(b) for b in raw]
-        counts_k = torch.stack([count_positions(b, self.ttt_length) for b in batches]).sum(0)
-        scale_k = loss_scales(self.world.all_reduce_sum(counts_k), self.weights_k)
-        sums = StepSums.zeros(self.ttt_length)
+        counts_k = torch.stack([self.module.count_positions(b) for b in batches]).sum(0)
+        scale_k = self.module.loss_scales(self.world.all_reduce_sum(counts_k), self.weights_k)
+        sums = StepSums.zeros(self.num_positions)
         self.optimizer.zero_grad(set_to_none=True)
         for index, batch in enumerate(batches):
             set_gradient_sync(self.module, index == len(batches) - 1)
@@ -395,9 +391,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         assert self.eval_loader is not None
         self.module.eval()
-        sums = StepSums.zeros(self.ttt_length)
+        sums = StepSums.zeros(self.num_positions)
         for raw in self.eval_loader:
-            batch = self.batches.make_batch({k: v.to(self.device) for k, v in raw.items()})
+            on_device = {k: v.to(self.device) for k, v in raw.items()}
+            batch = self.batches.make_batch(on_device, train=False)
             with self.autocast:
                 stats = self.module.stats(batch)
             sums.add(stats, int(batch.valid_BT[:, : batch.computed_length].sum()))
@@ -430,7 +427,7 @@ class Trainer:
                 shutil.rmtree(old, ignore_errors=True)  # a leftover is harmless, a crash is not
         return saved
 
-    def whole_draft(self) -> Eagle3Draft | None:
+    def whole_draft(self) -> AnyDraft | None:
         """The draft with whole parameters on rank 0 (None elsewhere): the module's own draft
         in a one-process run, else a replica refreshed from the shards (a collective)."""
         if not self.world.distributed:
@@ -439,7 +436,7 @@ class Trainer:
         if not self.world.is_main:
             return None
         if self._replica is None:
-            self._replica = Eagle3Draft(self.module.draft.arch).to(self.device)
+            self._replica = empty_like(self.module.draft)
         self._replica.load_state_dict(tensors)
         return self._replica
 
@@ -513,7 +510,7 @@ class Trainer:
         if self.eval_loader is not None and cfg.eval_at_start and self.step == 0:
             result.initial_eval = self._eval_and_log(result)
         batches = self.micro_batches()
-        window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
+        window, window_start = StepSums.zeros(self.num_positions), time.perf_counter()
         bar = tqdm(
             total=self.max_num_steps,
             initial=self.step,
@@ -549,7 +546,7 @@ class Trainer:
                     }
                 )
                 self.tracker.log_metrics(metrics, step=self.step)
-                window, window_start = StepSums.zeros(self.ttt_length), time.perf_counter()
+                window, window_start = StepSums.zeros(self.num_positions), time.perf_counter()
             if self.eval_loader is not None and self.due(cfg.eval_every_n_steps):
                 self._eval_and_log(result)
             if self.due(cfg.save_every_n_steps) and not last_step:

@@ -18,13 +18,13 @@ from enum import Enum
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagleforge.draft.attention import FLASH_CUDA_ONLY
+from eagleforge.draft.dflash import DFlashConfig
 from eagleforge.errors import ConfigError
-from eagleforge.layers import RMSNorm, rotate_half
+from eagleforge.layers import RMSNorm, SwiGLU, rotate_half
 
 
 class AttentionBackend(str, Enum):
@@ -38,6 +38,13 @@ class AttentionBackend(str, Enum):
     usp = "usp"  # sequence parallel over the sp ranks: Ulysses all-to-all + ring (offline)
 
 
+class DraftFamily(str, Enum):
+    """Which draft is trained (``draft=eagle3|dflash``)."""
+
+    eagle3 = "eagle3"  # one layer, unrolled training-time test (this module, draft/ttt.py)
+    dflash = "dflash"  # a block per forward, the target's states as keys (draft/dflash.py)
+
+
 class DraftInit(str, Enum):
     """How the draft's trainable weights start (see ``Eagle3Draft.init_logit_lens``)."""
 
@@ -48,6 +55,11 @@ class DraftInit(str, Enum):
 @dataclass
 class DraftConfig:
     """The `draft` config section: what the user chooses about the draft head."""
+
+    # eagle3 (the fields below) | dflash (``dflash``'s fields; docs/dflash.md).
+    family: DraftFamily = DraftFamily.eagle3
+    # A DFlash draft's shape and training, read when family=dflash.
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)
 
     # Draft vocabulary size W (tokens the draft can propose); clipped to the target vocab.
     draft_vocab_size: int = 32000
@@ -274,15 +286,9 @@ class DraftAttention(nn.Module):
         return q, k, v
 
 
-class DraftMLP(nn.Module):
+class DraftMLP(SwiGLU):
     def __init__(self, arch: DraftArchitecture) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(arch.hidden_size, arch.intermediate_size)
 
 
 class DraftDecoderLayer(nn.Module):

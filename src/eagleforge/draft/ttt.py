@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from eagleforge.batch import TTTBatch, shift_left
 from eagleforge.draft.attention import (
@@ -32,6 +31,7 @@ from eagleforge.draft.attention import (
 )
 from eagleforge.draft.loss import LossConfig, chunked_loss
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
+from eagleforge.draft.training import TrainingModule
 
 # (q, keys, values, valid_BT, document_ids_BT) -> [B, T, N*D], as ``eager_ttt_attention``.
 AttentionFn = Callable[
@@ -276,7 +276,7 @@ def simulated_acceptance_length(acc_k: list[float]) -> float:
     return tau
 
 
-class TTTModule(nn.Module):
+class TTTModule(TrainingModule):
     """The draft with the unrolled training-time test as its forward."""
 
     def __init__(
@@ -291,6 +291,7 @@ class TTTModule(nn.Module):
         super().__init__()
         self.draft = draft
         self.ttt_length, self.attention, self.use_compile = ttt_length, attention, compile
+        self.num_positions = ttt_length  # the per-position metrics: one per TTT step
         self.loss = loss if loss is not None else LossConfig()
         self.ttt_options = ttt_options
 
@@ -319,3 +320,11 @@ class TTTModule(nn.Module):
 
     def stats(self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
         return TTTStats(*self(batch, loss_scale_k))
+
+    def count_positions(self, batch: TTTBatch) -> torch.Tensor:
+        """Counted positions per step (the step's global normalisation sums them)."""
+        return count_positions(batch, self.ttt_length)
+
+    @staticmethod
+    def loss_scales(global_counts_k: torch.Tensor, weights_k: torch.Tensor) -> torch.Tensor:
+        return loss_scales(global_counts_k, weights_k)

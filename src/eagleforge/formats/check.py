@@ -11,9 +11,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import ConfigError
 from eagleforge.files import checksum_problem, unreadable_reason
+from eagleforge.formats.dflash import check_dflash, is_dflash, read_dflash
 from eagleforge.formats.kinds import DraftFormat
 from eagleforge.formats.read import (
     architecture_of,
@@ -26,16 +28,31 @@ from eagleforge.formats.read import (
 
 
 def check_draft(path: str | Path, target_num_layers: int | None = None) -> list[str]:
-    """Every problem that would make an EAGLE-3 draft directory in any of the three formats
-    (from any tool) load wrongly or accept poorly; an empty list when there is none."""
+    """Every problem that would make an EAGLE-3 draft directory in any of the three formats, or
+    a DFlash draft directory (from any tool), load wrongly or accept poorly; an empty list when
+    there is none."""
+    if _is_dflash_dir(Path(path)):
+        return check_dflash(path, target_num_layers)
     return _inspect(Path(path), target_num_layers)[0]
+
+
+def _is_dflash_dir(path: Path) -> bool:
+    try:
+        return is_dflash(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False  # _inspect names the problem
 
 
 def load_checked_draft(
     path: str | Path, target_num_layers: int
-) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
-    """``load_sglang`` after ``check_draft`` (reading the weights once); ConfigError listing
-    every problem."""
+) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+    """``load_sglang`` after ``check_draft`` (reading the weights once for EAGLE-3);
+    ConfigError listing every problem."""
+    if _is_dflash_dir(Path(path)):
+        problems = check_dflash(path, target_num_layers)
+        if problems:
+            raise ConfigError(f"{path}: not a usable DFlash draft: {'; '.join(problems)}.")
+        return read_dflash(path)
     problems, config, tensors = _inspect(Path(path), target_num_layers)
     if problems:
         raise ConfigError(

@@ -10,9 +10,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError
 from eagleforge.files import unreadable_reason
+from eagleforge.formats.dflash import dflash_architecture_of, is_dflash, read_dflash
 from eagleforge.formats.kinds import VLLM_ARCHITECTURE, DraftFormat
 
 
@@ -32,13 +34,18 @@ def from_format(name: str) -> str:
     return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
 
 
-def read_draft(path: str | Path) -> tuple[DraftFormat, DraftArchitecture, dict[str, torch.Tensor]]:
-    """A draft directory in any format: its format, architecture and tensors (eagleforge names)."""
+def read_draft(
+    path: str | Path,
+) -> tuple[DraftFormat, DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+    """A draft directory in any format: its format, architecture and tensors (eagleforge names).
+    A DFlash draft has one layout, the one vLLM (and SGLang) load: its format reads as vllm."""
     config_path, weights_path = Path(path) / "config.json", Path(path) / "model.safetensors"
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{config_path}: unreadable ({unreadable_reason(e)})") from None
+    if is_dflash(config):
+        return (DraftFormat.vllm, *read_dflash(path))
     fmt = detect_format(config)
     try:
         tensors = load_file(str(weights_path))
@@ -50,16 +57,19 @@ def read_draft(path: str | Path) -> tuple[DraftFormat, DraftArchitecture, dict[s
     return fmt, architecture_of(config), {from_format(k): v for k, v in tensors.items()}
 
 
-def load_sglang(path: str | Path) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
+def load_sglang(
+    path: str | Path,
+) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
     """Read a draft directory (SGLang, or any format ``read_draft`` knows) back: the
     architecture and its tensors."""
     _, arch, tensors = read_draft(path)
     return arch, tensors
 
 
-def read_sglang_architecture(path: str | Path) -> DraftArchitecture:
-    """The architecture of a draft directory, from its config.json alone."""
-    return architecture_of(json.loads((Path(path) / "config.json").read_text()))
+def read_sglang_architecture(path: str | Path) -> DraftArchitecture | DFlashArchitecture:
+    """The architecture of a draft directory (either family), from its config.json alone."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return dflash_architecture_of(config) if is_dflash(config) else architecture_of(config)
 
 
 def llama_fields(config: dict[str, Any]) -> dict[str, Any]:

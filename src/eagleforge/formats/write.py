@@ -10,8 +10,11 @@ from typing import Any
 
 import torch
 
+from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.errors import ConfigError
 from eagleforge.files import save_safetensors
+from eagleforge.formats.dflash import write_dflash
 from eagleforge.formats.kinds import (
     SGLANG_ARCHITECTURE,
     SPECULATORS_ARCHITECTURE,
@@ -79,7 +82,9 @@ def export_sglang(draft: Eagle3Draft, out_dir: str | Path) -> Path:
 
 
 def write_sglang(
-    arch: DraftArchitecture, tensors: dict[str, torch.Tensor], out_dir: str | Path
+    arch: DraftArchitecture | DFlashArchitecture,
+    tensors: dict[str, torch.Tensor],
+    out_dir: str | Path,
 ) -> Path:
     """``export_sglang`` from the draft's tensors (its state-dict names; the embedding is
     left out)."""
@@ -95,7 +100,7 @@ class Verifier:
 
 
 def write_draft(
-    arch: DraftArchitecture,
+    arch: DraftArchitecture | DFlashArchitecture,
     tensors: dict[str, torch.Tensor],
     out_dir: str | Path,
     fmt: DraftFormat,
@@ -103,7 +108,14 @@ def write_draft(
     speculative_tokens: int = 3,
 ) -> Path:
     """Write a draft directory in ``fmt`` from tensors with eagleforge's names (the embedding,
-    if given, is left out)."""
+    if given, is left out). A DFlash draft has one layout, which vLLM and SGLang both load."""
+    if isinstance(arch, DFlashArchitecture):
+        if fmt == DraftFormat.speculators:
+            raise ConfigError(
+                "export.format=speculators: eagleforge writes DFlash drafts in the layout vLLM "
+                "and SGLang load (export.format=vllm or sglang), not speculators' own."
+            )
+        return write_dflash(arch, tensors, out_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kept = {

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from eagleforge.draft.ttt import TTTModule
+from eagleforge.draft.family import TrainingModule
 from eagleforge.parallel import ParallelConfig
 from eagleforge.parallel.dist import World
 
@@ -34,7 +34,7 @@ from eagleforge.parallel.dist import World
 PREFIX = "draft."
 
 
-def shard_draft(module: TTTModule, world: World, cfg: ParallelConfig) -> TTTModule:
+def shard_draft(module: TrainingModule, world: World, cfg: ParallelConfig) -> TrainingModule:
     """fully_shard the draft over every rank (a no-op in a one-process run).
 
     Gradients are summed, not averaged, over ranks: the loss is already normalised by the
@@ -61,8 +61,9 @@ def shard_draft(module: TTTModule, world: World, cfg: ParallelConfig) -> TTTModu
         reshard_after_forward=cfg.reshard_after_forward,
         mp_policy=policy,
         # the frozen embedding (vocab x hidden) stays whole on each rank, as the target's does:
-        # no all-gather of it in every forward and backward
-        ignored_params=set(module.draft.embed_tokens.parameters()),
+        # no all-gather of it in every forward and backward (a DFlash draft holds the target's
+        # as buffers, which are never sharded)
+        ignored_params={p for p in module.draft.parameters() if not p.requires_grad},
     )
     assert isinstance(module, FSDPModule)
     module.set_gradient_divide_factor(1.0)
@@ -76,7 +77,7 @@ def set_gradient_sync(module: nn.Module, sync: bool) -> None:
         module.set_requires_gradient_sync(sync)
 
 
-def full_draft_state(module: TTTModule) -> dict[str, torch.Tensor]:
+def full_draft_state(module: TrainingModule) -> dict[str, torch.Tensor]:
     """Every tensor of the draft (frozen embedding and vocab map included), whole, on CPU,
     keyed by the draft's names -- on rank 0; other ranks get {}. A collective under FSDP:
     every rank must call it."""
@@ -89,7 +90,7 @@ def full_draft_state(module: TTTModule) -> dict[str, torch.Tensor]:
     }
 
 
-def load_draft_state(module: TTTModule, tensors: dict[str, torch.Tensor]) -> None:
+def load_draft_state(module: TrainingModule, tensors: dict[str, torch.Tensor]) -> None:
     """Load whole tensors (the draft's names; the frozen embedding may be absent) on every rank."""
     set_model_state_dict(
         module,
@@ -98,7 +99,7 @@ def load_draft_state(module: TTTModule, tensors: dict[str, torch.Tensor]) -> Non
     )
 
 
-def optimizer_state(module: TTTModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state(module: TrainingModule, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state keyed by parameter name, on CPU, on rank 0 ({} elsewhere; a
     collective under FSDP)."""
     return get_optimizer_state_dict(
@@ -107,7 +108,7 @@ def optimizer_state(module: TTTModule, optimizer: torch.optim.Optimizer) -> dict
 
 
 def load_optimizer_state(
-    module: TTTModule, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    module: TrainingModule, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     set_optimizer_state_dict(
         module, optimizer, state, options=StateDictOptions(full_state_dict=True)

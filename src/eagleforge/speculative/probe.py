@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from eagleforge.draft.model import Eagle3Draft
+from eagleforge.draft.family import AnyDraft
+from eagleforge.speculative.block_decoder import decoder_for
 from eagleforge.speculative.config import EvalConfig
-from eagleforge.speculative.decoder import SpeculativeDecoder, eos_ids
+from eagleforge.speculative.decoder import eos_ids
 from eagleforge.speculative.prompts import PromptRenderer, load_prompt_sets
 from eagleforge.speculative.report import TurnRecord, summarise
 from eagleforge.targets.hf import HFTarget
@@ -38,9 +39,9 @@ class TauProbe:
             for item in prompt_set.items
         ]
 
-    def __call__(self, draft: Eagle3Draft) -> float:
+    def __call__(self, draft: AnyDraft) -> float:
         was_training = draft.training
-        decoder = SpeculativeDecoder(self.target, draft, self.cfg.settings(), self.eos_ids)
+        decoder = decoder_for(self.target, draft, self.cfg.settings(), self.eos_ids)
         device = self.target.model.device
         records = []
         for index, (prompt_id, ids, images) in enumerate(self.prompts):

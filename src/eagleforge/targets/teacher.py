@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from eagleforge.batch import IMAGE_KEYS, Teacher, TTTBatch, rows_per_chunk, shift_left
+from eagleforge.batch import IMAGE_KEYS, BlockBatch, Teacher, TTTBatch, rows_per_chunk, shift_left
 from eagleforge.targets.base import TargetBackend, TargetOutput
 
 
@@ -55,6 +55,36 @@ def compute_teacher(
     )
 
 
+def target_states(target: TargetBackend, batch: dict[str, torch.Tensor]) -> TargetOutput:
+    """The target's states of a collated batch: captured (offline, by eagleforge.prepare) or
+    computed by the target now (online)."""
+    if "aux_hidden" in batch:
+        return TargetOutput(
+            batch["aux_hidden"], batch["final_hidden"], batch.get("mrope_position_ids")
+        )
+    # images go only to targets that take them (a VLM batch on another backend fails there)
+    images = {k: batch[k] for k in IMAGE_KEYS if k in batch}
+    return target.forward(
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch.get("document_ids"),
+        batch.get("position_ids"),
+        **images,
+    )
+
+
+def block_batch(target: TargetBackend, batch: dict[str, torch.Tensor]) -> BlockBatch:
+    """A block draft's batch (no teacher: its labels are the tokens); anchors still to draw."""
+    return BlockBatch(
+        input_ids_BT=batch["input_ids"],
+        valid_BT=batch["attention_mask"],
+        loss_mask_BT=batch["loss_mask"],
+        aux_BTA=target_states(target, batch).aux_BTA,
+        document_ids_BT=batch.get("document_ids"),
+        position_ids_BT=batch.get("position_ids"),
+    )
+
+
 def teacher_batch(
     target: TargetBackend,
     batch: dict[str, torch.Tensor],
@@ -64,16 +94,7 @@ def teacher_batch(
 ) -> TTTBatch:
     """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``)."""
     document_ids, position_ids = batch.get("document_ids"), batch.get("position_ids")
-    if "aux_hidden" in batch:  # offline: captured by eagleforge.prepare
-        out = TargetOutput(
-            batch["aux_hidden"], batch["final_hidden"], batch.get("mrope_position_ids")
-        )
-    else:
-        # images go only to targets that take them (a VLM batch on another backend fails there)
-        images = {k: batch[k] for k in IMAGE_KEYS if k in batch}
-        out = target.forward(
-            batch["input_ids"], batch["attention_mask"], document_ids, position_ids, **images
-        )
+    out = target_states(target, batch)
     # The teacher at position p is only ever used to predict a supervised token x_{p+1}.
     needed_BT = shift_left(batch["loss_mask"] & batch["attention_mask"], 1)
     teacher = compute_teacher(

@@ -1,0 +1,222 @@
+"""A DFlash draft directory: the layout z-lab's checkpoints have and vLLM's ``qwen3_dflash``
+(``DFlashDraftModel``) and SGLang's ``dflash`` load -- writing it, reading it back, and every
+problem that would make it load wrongly (``export --check``).
+
+``config.json`` is a Qwen3 config with every field explicit (transformers defaults a missing
+``head_dim`` to 128), ``block_size`` at the top level and in ``dflash_config`` with the mask
+token and the tapped layers (output-of-layer ids: vLLM adds one, as for EAGLE-3's SGLang
+numbering), ``num_target_layers``, ``layer_types``, no ``auto_map``. ``model.safetensors``
+holds ``fc.weight``, ``hidden_norm.weight``, ``layers.{i}.*`` and ``norm.weight``; no embedding
+and no lm_head (the engine shares the target's) and never ``mask_hidden`` (vLLM refuses it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from eagleforge.draft.dflash import DFlashArchitecture
+from eagleforge.errors import CheckpointError
+from eagleforge.files import checksum_problem, save_safetensors, unreadable_reason
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def is_dflash(config: dict[str, Any]) -> bool:
+    """Whether a draft's ``config.json`` describes a DFlash draft."""
+    return config.get("architectures") == [DFLASH_ARCHITECTURE] or "dflash_config" in config
+
+
+def dflash_config(arch: DFlashArchitecture, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of a DFlash draft."""
+    return {
+        "architectures": [DFLASH_ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": arch.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": arch.max_position_embeddings,
+        "attention_bias": arch.attention_bias,
+        "attention_dropout": 0.0,
+        "vocab_size": arch.vocab_size,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": arch.num_hidden_layers,
+        # every layer attends bidirectionally within the block (vLLM: non-causal)
+        "layer_types": ["full_attention"] * arch.num_hidden_layers,
+        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "block_size": arch.block_size,
+        "num_target_layers": arch.num_target_layers,
+        "target_hidden_size": arch.target_hidden_size,
+        "dflash_config": {
+            "mask_token_id": arch.mask_token_id,
+            "target_layer_ids": list(arch.target_layer_ids),
+            "block_size": arch.block_size,
+        },
+        "eagleforge": {"target_model_type": arch.target_model_type},
+    }
+
+
+def write_dflash(
+    arch: DFlashArchitecture, tensors: dict[str, torch.Tensor], out_dir: str | Path
+) -> Path:
+    """Write a DFlash draft directory from the draft's state dict."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_safetensors(kept, out / "model.safetensors", metadata={"format": "pt"})
+    config = dflash_config(arch, kept["fc.weight"].dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def dflash_architecture_of(config: dict[str, Any]) -> DFlashArchitecture:
+    """The architecture a DFlash ``config.json`` describes."""
+    dflash = config.get("dflash_config") or {}
+    rope = config.get("rope_parameters") or {}
+    return DFlashArchitecture(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=config["max_position_embeddings"],
+        vocab_size=config["vocab_size"],
+        target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
+        num_target_layers=config["num_target_layers"],
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        block_size=int(dflash.get("block_size") or config["block_size"]),
+        mask_token_id=int(dflash["mask_token_id"]),
+        attention_bias=bool(config.get("attention_bias", False)),
+        target_model_type=(config.get("eagleforge") or {}).get("target_model_type", "llama"),
+    )
+
+
+def read_dflash(path: str | Path) -> tuple[DFlashArchitecture, dict[str, torch.Tensor]]:
+    """A DFlash draft directory's architecture and tensors; CheckpointError when unreadable."""
+    config_path, weights_path = Path(path) / "config.json", Path(path) / "model.safetensors"
+    try:
+        config = json.loads(config_path.read_text())
+        arch = dflash_architecture_of(config)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{config_path}: unreadable ({unreadable_reason(e)})") from None
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as e:  # safetensors raises its own type, and OSError
+        raise CheckpointError(f"{weights_path}: unreadable ({unreadable_reason(e)})") from None
+    return arch, tensors
+
+
+def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list[str]:
+    """Every problem that would make a DFlash directory load wrongly in vLLM or SGLang, or
+    draft from other layers than it was trained on; empty when there is none."""
+    path = Path(path)
+    config_path, weights_path = path / "config.json", path / "model.safetensors"
+    corrupt = checksum_problem(path)
+    if corrupt is not None:
+        return [f"{path}: {corrupt}, so its files are corrupt (use an earlier checkpoint)"]
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        return [f"{config_path}: unreadable ({unreadable_reason(e)})"]
+    problems = []
+    if config.get("architectures") != [DFLASH_ARCHITECTURE]:
+        problems.append(
+            f"architectures is {config.get('architectures')!r}; vLLM loads a DFlash draft as "
+            f"['{DFLASH_ARCHITECTURE}']"
+        )
+    if "auto_map" in config:
+        problems.append("auto_map is set: the engines load their own DFlash code, remove it")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers"):  # fmt: skip
+        if not isinstance(config.get(key), int):
+            problems.append(
+                f"config.json has no integer '{key}'"
+                + (" (transformers would default it to 128)" if key == "head_dim" else "")
+            )
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, dict):
+        return [*problems, "config.json has no dflash_config (mask_token_id, target_layer_ids)"]
+    mask, layer_ids = dflash.get("mask_token_id"), dflash.get("target_layer_ids")
+    vocab = config.get("vocab_size")
+    if not isinstance(mask, int) or (isinstance(vocab, int) and not 0 <= mask < vocab):
+        problems.append(f"dflash_config.mask_token_id {mask!r} is not a token id below {vocab}")
+    if not (
+        isinstance(layer_ids, list) and layer_ids and all(isinstance(i, int) for i in layer_ids)
+    ):
+        problems.append(f"dflash_config.target_layer_ids must list layer ids, got {layer_ids!r}")
+        layer_ids = None
+    elif target_num_layers is not None and not all(0 <= i < target_num_layers for i in layer_ids):
+        problems.append(
+            f"dflash_config.target_layer_ids {layer_ids} (output of layer) are outside the "
+            f"target's 0..{target_num_layers - 1}"
+        )
+    sizes = {config.get("block_size"), dflash.get("block_size")} - {None}
+    if len(sizes) != 1 or not all(isinstance(s, int) and s >= 2 for s in sizes):
+        problems.append(
+            f"block_size must be one integer >= 2 at the top level and in dflash_config, got "
+            f"{config.get('block_size')!r} and {dflash.get('block_size')!r}"
+        )
+    layers = config.get("num_hidden_layers")
+    layer_types = config.get("layer_types")
+    if isinstance(layers, int) and (
+        not isinstance(layer_types, list) or len(layer_types) != layers
+    ):
+        problems.append(f"layer_types must list {layers} layer types, got {layer_types!r}")
+    if not weights_path.is_file():
+        return [*problems, f"{path}: no model.safetensors"]
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as e:  # safetensors raises its own type, and OSError
+        return [*problems, f"{weights_path}: unreadable ({unreadable_reason(e)})"]
+    if any("mask_hidden" in k for k in tensors):
+        problems.append("a mask_hidden tensor is in the weights: vLLM refuses it")
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            problems.append(f"{name} is in the weights: a DFlash draft shares the target's")
+    hidden, target_hidden = (
+        config.get("hidden_size"),
+        config.get("target_hidden_size", config.get("hidden_size")),
+    )
+    fc = tensors.get("fc.weight")
+    if fc is None:
+        problems.append("no fc.weight: the draft could not read the target's states")
+    elif layer_ids is not None and isinstance(target_hidden, int):
+        expected = (hidden, len(layer_ids) * target_hidden)
+        if tuple(fc.shape) != expected:
+            problems.append(
+                f"fc.weight has shape {tuple(fc.shape)}, expected {expected} "
+                f"({len(layer_ids)} tapped layers x target hidden {target_hidden})"
+            )
+    wanted = ["hidden_norm.weight", "norm.weight"]
+    if isinstance(layers, int):
+        wanted += [f"layers.{i}.self_attn.k_norm.weight" for i in range(layers)]
+        extra = sorted(
+            {k.split(".")[1] for k in tensors if k.startswith("layers.")}
+            - {str(i) for i in range(layers)}
+        )
+        if extra:
+            problems.append(f"weights hold layers {extra} beyond num_hidden_layers {layers}")
+    problems += [f"no {name} in the weights" for name in wanted if name not in tensors]
+    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    declared = config.get("torch_dtype")
+    if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
+        problems.append(f"config says torch_dtype {declared}, the weights are {next(iter(floats))}")
+    return problems
