@@ -25,11 +25,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.atomic import atomic_directory
 from eagleforge.config import check_cli_overrides, conf_dir, register_configs, resolve_cache_dir
+from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.formats.check import check_draft
 from eagleforge.formats.config import ExportConfig, ExportDType
 from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_draft
+from eagleforge.formats.read import read_draft, read_sglang_architecture
 from eagleforge.formats.write import Verifier, write_draft
 from eagleforge.targets.source import ModelConfig, resolve_model_dir
 
@@ -142,8 +143,9 @@ def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch
         if k not in read_tensors or not torch.equal(read_tensors[k], expected[k])
     ]
     problems = check_draft(path)
+    dflash = isinstance(arch, DFlashArchitecture)  # one layout, read back as vllm's
     if (
-        read_fmt != fmt
+        (read_fmt != fmt and not dflash)
         or read_arch != arch
         or wrong
         or set(read_tensors) != set(expected)
@@ -168,6 +170,15 @@ def serve_hint(out: Path, fmt: DraftFormat) -> str:
     )
 
 
+def dflash_serve_hint(out: Path, block_size: int) -> str:
+    """A DFlash directory is served by vLLM with B-1 speculative tokens (SGLang: B draft
+    tokens, --speculative-algorithm DFLASH)."""
+    return (
+        "vllm serve <target> --speculative-config "
+        f'\'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {block_size - 1}}}\''
+    )
+
+
 def check_main(argv: list[str]) -> int:
     """``--check DIR ...``: every problem of every draft directory; status 1 if any."""
     parser = argparse.ArgumentParser(prog="python -m eagleforge.export --check")
@@ -185,8 +196,10 @@ def check_main(argv: list[str]) -> int:
             for problem in problems:
                 print(f"  - {problem}")
         else:
-            fmt = read_draft(directory)[0]
-            print(f"{directory}: ok ({fmt.value} format)")
+            if isinstance(read_sglang_architecture(directory), DFlashArchitecture):
+                print(f"{directory}: ok (DFlash, the layout vLLM and SGLang load)")
+            else:
+                print(f"{directory}: ok ({read_draft(directory)[0].value} format)")
     return status
 
 
@@ -197,7 +210,11 @@ def _hydra_main(cfg: DictConfig) -> None:
     assert isinstance(typed, ExportConfig)
     out = export(typed)
     print(f"exported {typed.draft} as {typed.format.value} to {out} (read back and checked)")
-    print(f"serve it: {serve_hint(out, typed.format)}")
+    arch = read_sglang_architecture(out)
+    if isinstance(arch, DFlashArchitecture):
+        print(f"serve it: {dflash_serve_hint(out, arch.block_size)}")
+    else:
+        print(f"serve it: {serve_hint(out, typed.format)}")
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from eagleforge.config import (
     register_configs,
     to_typed,
 )
+from eagleforge.draft.model import DraftFamily
 from eagleforge.errors import EagleForgeError
 from eagleforge.locking import RUN_DIR_LOCK, exclusive
 from eagleforge.parallel.dist import World, distributed
@@ -90,17 +91,23 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
                 output_dir / "tau_by_step.png",
             )
             tracker.log_artifact(curve)
-        print_summary(result, tracker)
+        print_summary(result, tracker, config.draft.family == DraftFamily.dflash)
     tracker.close()
     return result
 
 
 def run_title(config: EagleForgeConfig, output_dir: Path) -> str:
-    """A run in a line: its directory, target, data and draft's TTT length."""
+    """A run in a line: its directory, target, data, draft (TTT length or DFlash block) and
+    loss."""
     data = config.data.name + (f" ({config.data.path})" if config.data.path else "")
+    if config.draft.family == DraftFamily.dflash:
+        dflash = config.draft.dflash
+        draft = f"DFlash {dflash.num_layers} layers, block {dflash.block_size}, cross-entropy"
+    else:
+        draft = f"TTT {config.draft.ttt_length}, loss {config.loss.kind.value}"
     return (
-        f"{output_dir.name}: {config.model.name} on {data}, TTT {config.draft.ttt_length}, "
-        f"loss {config.loss.kind.value}, {config.optimizer.kind.value} lr {config.optimizer.lr:g}"
+        f"{output_dir.name}: {config.model.name} on {data}, {draft}, "
+        f"{config.optimizer.kind.value} lr {config.optimizer.lr:g}"
     )
 
 
@@ -135,7 +142,7 @@ def write_summary(result: TrainResult, path: Path) -> Path:
     return path
 
 
-def print_summary(result: TrainResult, tracker: object) -> None:
+def print_summary(result: TrainResult, tracker: object, dflash: bool = False) -> None:
     if result.already_complete:
         lines = [
             f"\nThe run is already complete (step {result.step}); nothing to do. Set "
@@ -148,7 +155,8 @@ def print_summary(result: TrainResult, tracker: object) -> None:
         accs = sorted(
             (int(k.rsplit("_", 1)[1]), v) for k, v in final.items() if k.startswith("eval/acc_")
         )
-        lines.append("eval accuracy per TTT position (untrained -> trained):")
+        where = "block slot (acc_0: slot 1)" if dflash else "TTT position"
+        lines.append(f"eval accuracy per {where} (untrained -> trained):")
         for position, value in accs:
             before = initial.get(f"eval/acc_{position}")
             prefix = f"{before:.3f} -> " if before is not None else ""
@@ -163,7 +171,8 @@ def print_summary(result: TrainResult, tracker: object) -> None:
     if result.best_checkpoint is not None:
         lines.append(f"best-tau checkpoint: {result.best_checkpoint}")
     if result.checkpoint is not None:
-        lines.append(f"checkpoint (SGLang draft dir): {result.checkpoint}")
+        kind = "DFlash draft dir vLLM loads" if dflash else "SGLang draft dir"
+        lines.append(f"checkpoint ({kind}): {result.checkpoint}")
     if isinstance(tracker, MLflowTracker):
         uri = shlex.quote(tracker.tracking_uri)
         lines.append(f"browse the run: mlflow ui --backend-store-uri {uri}")

@@ -18,3 +18,23 @@ def small_vocab_target(vocab: int = 8) -> HFTarget:
         initializer_range=0.4, tie_word_embeddings=False,
     )  # fmt: skip
     return HFTarget(LlamaForCausalLM(config).float())
+
+
+def exact_marginals(target: HFTarget, prompt: list[int], temperature: float) -> list[torch.Tensor]:
+    """P(t1), P(t2), P(t3) of the target's sampled continuation, by enumeration."""
+    vocab = target.config.vocab_size
+
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = target.model(input_ids=prefixes).logits[:, -1].float()
+        return torch.softmax(logits / temperature, dim=-1)
+
+    base = torch.tensor([prompt])
+    p1 = next_probs(base)[0]
+    t1 = torch.arange(vocab).unsqueeze(1)
+    p2_given = next_probs(torch.cat([base.expand(vocab, -1), t1], dim=1))  # [t1, t2]
+    joint12 = p1.unsqueeze(1) * p2_given
+    pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))
+    p3_given = next_probs(torch.cat([base.expand(vocab * vocab, -1), pairs], dim=1))
+    joint123 = joint12.reshape(-1, 1) * p3_given
+    return [p1, joint12.sum(0), joint123.sum(0)]

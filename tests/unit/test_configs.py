@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 
 from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
 from eagleforge.data.split import build_datasets
+from eagleforge.draft.model import DraftArchitecture, DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.targets.source import checked_aux_layer_ids, default_aux_layer_ids
 
@@ -134,11 +135,21 @@ def test_default_aux_layers_are_distinct_layers(num_layers: int) -> None:
     assert checked_aux_layer_ids(None, num_layers) == ids
 
 
+def tiny_target_config():  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=6, vocab_size=128)
+
+
 @pytest.mark.unit
 def test_repeated_or_too_few_aux_layers_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"model\.aux_layer_ids \[1, 2, 2\] repeats a layer"):
         checked_aux_layer_ids([1, 2, 2], 6)
     with pytest.raises(ConfigError, match="at least 3 layers"):
         default_aux_layer_ids(2)
-    with pytest.raises(ConfigError, match="3 distinct layer ids"):
+    with pytest.raises(ConfigError, match="distinct layer ids"):
         to_typed(compose_config(["+model=tiny", "model.aux_layer_ids=[1,2,2]"]))
+    # any number for DFlash; EAGLE-3's draft names the 3 it reads
+    to_typed(compose_config(["+model=tiny", "model.aux_layer_ids=[1,2,3,4]"]))
+    with pytest.raises(ConfigError, match="an EAGLE-3 draft reads 3 target layers"):
+        DraftArchitecture.from_target(tiny_target_config(), DraftConfig(), [1, 2, 3, 4])

@@ -311,10 +311,13 @@ class DFlashDraft(nn.Module):
             attn = layer.self_attn
             x_BQH = layer.input_layernorm(hidden_BQH)
             k, v = attn.keys_values(x_BQH, cos, sin)
-            keys = torch.cat([context_k.to(k.dtype), k], dim=2)
-            values = torch.cat([context_v.to(v.dtype), v], dim=2)
+            q = attn.queries(x_BQH, cos, sin)
+            # one dtype for all three: under autocast the norms' fp32 gains and the bf16
+            # projections meet here
+            keys = torch.cat([context_k, k], dim=2).to(q.dtype)
+            values = torch.cat([context_v.to(v.dtype), v], dim=2).to(q.dtype)
             out = F.scaled_dot_product_attention(
-                attn.queries(x_BQH, cos, sin),
+                q,
                 keys,
                 values,
                 attn_mask=mask_B1QS,

@@ -181,6 +181,11 @@ class DraftArchitecture:
         head size for multi-head latent attention (DeepSeek-V3), the full-attention RoPE of
         per-layer-type RoPE (Gemma 3), and SiLU whatever the target's activation.
         """
+        if len(aux_layer_ids) != 3:
+            raise ConfigError(
+                f"an EAGLE-3 draft reads 3 target layers, model.aux_layer_ids has "
+                f"{len(aux_layer_ids)} ({aux_layer_ids}); give 3 (or null for the default)."
+            )
         text = (
             target_config.get_text_config()
             if hasattr(target_config, "get_text_config")

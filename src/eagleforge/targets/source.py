@@ -93,6 +93,8 @@ class ModelConfig:
     # Target weights dtype.
     dtype: TargetDType = TargetDType.auto
     # Target layers feeding the draft, 0-based output-of-layer ids; null = [1, N//2-1, N-4].
+    # EAGLE-3 reads exactly 3; a DFlash draft any number (its published recipe: one per
+    # draft layer, spread over 1 .. N-3).
     aux_layer_ids: list[int] | None = None
     # Architecture of source=random.
     random: RandomModelConfig = field(default_factory=RandomModelConfig)
@@ -106,9 +108,11 @@ class ModelConfig:
                 f"model.path is required for model '{self.name}' (source=pretrained): "
                 "set model.path=/local/dir or a hub id."
             )
-        if self.aux_layer_ids is not None and len(set(self.aux_layer_ids)) != 3:
+        if self.aux_layer_ids is not None and (
+            not self.aux_layer_ids or len(set(self.aux_layer_ids)) != len(self.aux_layer_ids)
+        ):
             raise ConfigError(
-                "model.aux_layer_ids must list exactly 3 distinct layer ids, got "
+                "model.aux_layer_ids must list distinct layer ids (3 for EAGLE-3), got "
                 f"{self.aux_layer_ids}."
             )
 
@@ -142,7 +146,7 @@ def checked_aux_layer_ids(aux_layer_ids: list[int] | None, num_layers: int) -> l
         )
     if len(set(ids)) != len(ids):
         raise ConfigError(
-            f"model.aux_layer_ids {ids} repeats a layer; give 3 distinct layer ids (or null "
+            f"model.aux_layer_ids {ids} repeats a layer; give distinct layer ids (or null "
             "for the default)."
         )
     return ids

@@ -132,9 +132,9 @@ class VLLMTarget(HeadOnlyTarget):
         captured = list(self._pool.map(self._capture, rows))
         batch, seq = input_ids_BT.shape
         hidden = self.config.get_text_config().hidden_size
-        aux_BTA = torch.zeros(batch, seq, 3 * hidden, dtype=self._dtype)
-        final_BTH = torch.zeros(batch, seq, hidden, dtype=self._dtype)
         aux_rows = [self.layer_ids.index(a + 1) for a in self.aux_layer_ids]
+        aux_BTA = torch.zeros(batch, seq, len(aux_rows) * hidden, dtype=self._dtype)
+        final_BTH = torch.zeros(batch, seq, hidden, dtype=self._dtype)
         last = self.layer_ids.index(self.num_layers)
         for b, states_TLH in enumerate(captured):
             where = attention_mask_BT[b].cpu().bool()

@@ -1,0 +1,63 @@
+"""A DFlash draft eagleforge trained, served by the real vLLM on this CPU: its checkpoint loads
+as it is (``method: dflash``), greedy fp32 output equals the target's, vLLM accepts drafted
+tokens at about the rate our block decoder does, and the same draft with its tapped layers
+shifted by one accepts less -- the check that catches a layer-offset bug."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagleforge.config import compose_config
+from helpers.engine import ENGINE_OVERRIDES
+from helpers.runs import tiny_run_overrides
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def evaluate(draft: Path, out: Path, engines: str) -> list:  # type: ignore[type-arg]
+    from eagleforge.evaluate import run
+
+    return run(compose_config([
+        "+model=smollm2", "model.dtype=float32", f"eval.draft={draft}", f"eval.engine={engines}",
+        "eval.prompts=mtbench_style", "eval.max_prompts=6", "eval.max_new_tokens=48",
+        "eval.num_draft_tokens=3", "eval.engine_batch=1", "tracker=console",
+        f"output_root={out}", f"output_dir={out / 'eval'}", *ENGINE_OVERRIDES,
+    ]))  # fmt: skip
+
+
+def test_a_trained_dflash_draft_is_served_by_vllm_as_our_decoder_drafts(
+    engine_env: Path, tmp_path: Path
+) -> None:
+    from eagleforge.train import run
+
+    result = run(compose_config(tiny_run_overrides(
+        tmp_path, "+model=smollm2", "data.max_num_samples=400", "data.max_length=256",
+        "draft=dflash", "draft.dflash.num_layers=1", "draft.dflash.block_size=4",
+        "draft.dflash.num_anchors=16", "draft.dflash.mask_token_id=16",
+        "trainer.max_num_steps=150", "trainer.batch_size=8", "data.packing=false",
+        "trainer.compute_dtype=bfloat16", "optimizer.lr=3e-3", "trainer.eval_every_n_steps=0",
+        name="train",
+    )))  # fmt: skip
+    assert result.checkpoint is not None
+    hf, vllm = evaluate(result.checkpoint, tmp_path / "served", "[hf,vllm]")
+    assert hf.greedy_matches_target is True and vllm.greedy_matches_target is True
+    assert vllm.rounds > 0 and hf.acceptance_by_position[0] > 0.05
+    assert vllm.acceptance_by_position == pytest.approx(hf.acceptance_by_position, abs=0.05)
+    log = (tmp_path / "served" / "eval" / "vllm").glob("*-3-1-4.log")
+    assert any("dflash" in path.read_text().lower() for path in log)
+
+    # the negative control: the same weights told to tap the layers one above
+    shifted = tmp_path / "shifted" / result.checkpoint.name
+    shutil.copytree(result.checkpoint, shifted)
+    (shifted / "checksums.json").unlink(missing_ok=True)
+    config = json.loads((shifted / "config.json").read_text())
+    taps = config["dflash_config"]["target_layer_ids"]
+    config["dflash_config"]["target_layer_ids"] = [i + 1 for i in taps]
+    (shifted / "config.json").write_text(json.dumps(config))
+    (wrong,) = evaluate(shifted, tmp_path / "wrong", "[vllm]")
+    assert wrong.greedy_matches_target is True
+    assert sum(wrong.acceptance_by_position) < 0.7 * sum(vllm.acceptance_by_position)
