@@ -179,7 +179,7 @@ def load_dflash_draft(
     draft = DFlashDraft(arch)
     load_draft_weights(draft, tensors, path)
     draft.to(device)
-    draft.set_target_weights(target.input_embedding().float(), target.lm_head_weight().float())
+    draft.set_target_weights(target.input_embedding(), target.lm_head_weight())
     return draft.eval()
 
 

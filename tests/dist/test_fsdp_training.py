@@ -188,6 +188,9 @@ def test_two_ranks_killed_with_sigkill_resume_bit_identical(tmp_path: Path) -> N
     assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
 
 
+# Slow (test-all): make test resumes a DFlash run bit for bit in one process
+# (tests/integration/test_dflash.py); here the anchors' per-rank RNG goes through FSDP2.
+@pytest.mark.slow
 def test_dflash_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     """draft=dflash sharded over 2 ranks: training moves the weights, every rank logs the same
     global loss, and a 2-rank resume from step 2 is bit-identical (each rank's anchor RNG is in

@@ -87,7 +87,7 @@ def test_block_decoder_greedy_output_is_the_targets() -> None:
     """A random DFlash draft proposes garbage; greedy output must still be the target's."""
     target = small_vocab_target(vocab=16)
     decoder = BlockDecoder(
-        target, random_dflash(target, 0, 0.5), DecodeSettings(20, 3, 1, 4), set()
+        target, random_dflash(target, 0, 0.5), DecodeSettings(20, 3, 1, 4, temperature=0.0), set()
     )
     result = decoder.generate([1, 2, 3], torch.Generator().manual_seed(0))
     plain = decoder.generate_target_only([1, 2, 3], torch.Generator().manual_seed(0))

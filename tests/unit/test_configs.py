@@ -150,6 +150,6 @@ def test_repeated_or_too_few_aux_layers_are_refused() -> None:
     with pytest.raises(ConfigError, match="distinct layer ids"):
         to_typed(compose_config(["+model=tiny", "model.aux_layer_ids=[1,2,2]"]))
     # any number for DFlash; EAGLE-3's draft names the 3 it reads
-    to_typed(compose_config(["+model=tiny", "model.aux_layer_ids=[1,2,3,4]"]))
+    to_typed(compose_config(["+model=tiny", "model.aux_layer_ids=[1,2,3,4]", "output_dir=x"]))
     with pytest.raises(ConfigError, match="an EAGLE-3 draft reads 3 target layers"):
         DraftArchitecture.from_target(tiny_target_config(), DraftConfig(), [1, 2, 3, 4])

@@ -68,7 +68,13 @@ def make_loader(
     if num_shards > 1:
         batches = shard_batches(batches, shard, num_shards)
         dataset = _WithFillers(dataset)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collate)
+    # a generator of its own: each iterator otherwise draws its workers' base seed from the
+    # global RNG, which a resumed run (its loader made anew) would then draw differently from
+    # (DFlash draws its anchors from it)
+    generator = torch.Generator().manual_seed(shuffle_seed or 0)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=batches, collate_fn=collate, generator=generator
+    )
 
 
 def shard_batches(batches: list[list[int]], shard: int, num_shards: int) -> list[list[int]]:

@@ -243,9 +243,9 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        empty = torch.zeros(arch.vocab_size, arch.hidden_size)
-        self.register_buffer("embed_VH", empty, persistent=False)
-        self.register_buffer("lm_head_VH", empty.clone(), persistent=False)
+        # set_target_weights gives them: until then, nothing of the target's size
+        self.register_buffer("embed_VH", torch.empty(0), persistent=False)
+        self.register_buffer("lm_head_VH", torch.empty(0), persistent=False)
         exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim
         inv_freq = (1.0 / (arch.rope_theta**exponents)).float()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -266,15 +266,22 @@ class DFlashDraft(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
     def set_target_weights(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
-        """The target's input embedding and lm_head, which the draft reads and never trains."""
-        for name, weight in (("embed_VH", embed_VH), ("lm_head_VH", lm_head_VH)):
-            own = getattr(self, name)
-            if tuple(weight.shape) != tuple(own.shape):
+        """The target's input embedding and lm_head, which the draft reads and never trains,
+        kept in the target's dtype (the logits are computed in it, as the target computes its
+        own: on a CPU a bf16 lm_head is read in a sixth of the fp32 time); one tensor when the
+        target ties them."""
+        device = self.inv_freq.device
+        expected = (self.arch.vocab_size, self.arch.hidden_size)
+        for name, weight in (("embedding", embed_VH), ("lm_head", lm_head_VH)):
+            if tuple(weight.shape) != expected:
                 raise ValueError(
-                    f"the target's {name[:-3]} has shape {tuple(weight.shape)}, the draft "
-                    f"expects {tuple(own.shape)}"
+                    f"the target's {name} has shape {tuple(weight.shape)}, the draft expects "
+                    f"{expected}"
                 )
-            setattr(self, name, weight.detach().to(own.device, own.dtype).clone())
+        embed = embed_VH.detach().to(device)
+        tied = lm_head_VH.data_ptr() == embed_VH.data_ptr()
+        self.embed_VH = embed
+        self.lm_head_VH = embed if tied else lm_head_VH.detach().to(device)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq
@@ -330,7 +337,7 @@ class DFlashDraft(nn.Module):
 
     def logits(self, hidden_nH: torch.Tensor) -> torch.Tensor:
         """The target's lm_head over draft states: fp32 logits [n, V]."""
-        return (hidden_nH @ self.lm_head_VH.to(hidden_nH.dtype).T).float()
+        return F.linear(hidden_nH.to(self.lm_head_VH.dtype), self.lm_head_VH).float()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.state_dict())
@@ -473,7 +480,7 @@ def chunked_cross_entropy(
         else:
             loss = _row_losses(rows, lm_head_VH, labels)
         with torch.no_grad():
-            logits = (rows @ lm_head_VH.to(rows.dtype).T).float()
+            logits = F.linear(rows.to(lm_head_VH.dtype), lm_head_VH).float()
             probs.append(logits.softmax(-1).gather(1, labels[:, None]).squeeze(1))
             argmaxes.append(logits.argmax(-1))
         losses.append(loss)
@@ -486,7 +493,7 @@ def chunked_cross_entropy(
 def _row_losses(
     rows_nH: torch.Tensor, lm_head_VH: torch.Tensor, labels_n: torch.Tensor
 ) -> torch.Tensor:
-    logits = (rows_nH @ lm_head_VH.to(rows_nH.dtype).T).float()
+    logits = F.linear(rows_nH.to(lm_head_VH.dtype), lm_head_VH).float()
     return F.cross_entropy(logits, labels_n, reduction="none")
 
 
