@@ -330,8 +330,8 @@ class DFlashDraft(nn.Module):
                 attn_mask=mask_B1QS,
                 enable_gqa=attn.num_heads != attn.num_kv_heads,
             )
-            b, q = tokens_BQ.shape
-            hidden_BQH = hidden_BQH + attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+            out_BQX = out.transpose(1, 2).reshape(*tokens_BQ.shape, -1)
+            hidden_BQH = hidden_BQH + attn.o_proj(out_BQX)
             hidden_BQH = hidden_BQH + layer.mlp(layer.post_attention_layernorm(hidden_BQH))
         return self.norm(hidden_BQH)
 
