@@ -46,7 +46,9 @@ def test_a_trained_dflash_draft_is_served_by_vllm_as_our_decoder_drafts(
     hf, vllm = evaluate(result.checkpoint, tmp_path / "served", "[hf,vllm]")
     assert hf.greedy_matches_target is True and vllm.greedy_matches_target is True
     assert vllm.rounds > 0 and hf.acceptance_by_position[0] > 0.05
-    assert vllm.acceptance_by_position == pytest.approx(hf.acceptance_by_position, abs=0.05)
+    # in fp32 the two engines draft the same blocks (measured on the SmolLM2 draft of
+    # docs/dflash.md: the same tau to 3 decimals)
+    assert vllm.acceptance_by_position == pytest.approx(hf.acceptance_by_position, abs=0.02)
     log = (tmp_path / "served" / "eval" / "vllm").glob("*-3-1-4.log")
     assert any("dflash" in path.read_text().lower() for path in log)
 
@@ -60,4 +62,6 @@ def test_a_trained_dflash_draft_is_served_by_vllm_as_our_decoder_drafts(
     (shifted / "config.json").write_text(json.dumps(config))
     (wrong,) = evaluate(shifted, tmp_path / "wrong", "[vllm]")
     assert wrong.greedy_matches_target is True
-    assert sum(wrong.acceptance_by_position) < 0.7 * sum(vllm.acceptance_by_position)
+    # adjacent layers' states are alike, so the loss is small but always there (docs/dflash.md:
+    # tau 1.222 -> 1.205)
+    assert wrong.tau < vllm.tau

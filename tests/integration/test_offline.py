@@ -57,12 +57,21 @@ def test_capture_writes_shards_manifest_and_all_samples(store: Path) -> None:
     assert len(FeatureDataset(store / "eval")) == 6
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_offline_training_equals_online(tmp_path: Path, store: Path, packing: bool) -> None:
-    """Same data, seed and steps: the same losses and the same trained weights."""
+DFLASH = ("draft=dflash", "draft.dflash.num_layers=1", "draft.dflash.block_size=4",
+          "draft.dflash.num_anchors=6", "draft.dflash.mask_token_id=16")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("packing", "draft"), [(True, ()), (False, ()), pytest.param(True, DFLASH, id="dflash")]
+)
+def test_offline_training_equals_online(
+    tmp_path: Path, store: Path, packing: bool, draft: tuple[str, ...]
+) -> None:
+    """Same data, seed and steps: the same losses and the same trained weights (an EAGLE-3 and
+    a DFlash draft, which reads the store's aux states as its taps)."""
     flag = f"data.packing={str(packing).lower()}"
-    online = _train(tmp_path, "online", flag)
-    offline = _train(tmp_path, "offline", flag, f"data.features={store}")
+    online = _train(tmp_path, "online", flag, *draft)
+    offline = _train(tmp_path, "offline", flag, f"data.features={store}", *draft)
     torch.testing.assert_close(
         torch.tensor(offline.train_losses), torch.tensor(online.train_losses), rtol=1e-5, atol=1e-6
     )
