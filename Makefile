@@ -121,6 +121,7 @@ bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
 	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 512
 	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 2048
 	$(TTT_STEP) --hidden-size 512 --intermediate-size 1792 --heads 8 --kv-heads 2 --vocab 128256 --draft-vocab 32000 --seq-len 1024
+	$(OFFLINE) $(PY) benchmarks/dflash_step.py --layers 2 --block-size 8 --anchors 8,32,64 --json
 	$(OFFLINE) $(PY) benchmarks/preprocess.py --rows 7168 --num-proc 1,2
 	$(OFFLINE) $(PY) benchmarks/feature_store.py --samples 2000 --hidden-size 1024 --json
 	$(OFFLINE) $(PY) benchmarks/target_forward.py --batch 4 --seq-len 512 --json

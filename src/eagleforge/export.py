@@ -143,9 +143,10 @@ def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch
         if k not in read_tensors or not torch.equal(read_tensors[k], expected[k])
     ]
     problems = check_draft(path)
-    dflash = isinstance(arch, DFlashArchitecture)  # one layout, read back as vllm's
+    # a DFlash draft's sglang export is vLLM's layout, which both engines load
+    dflash_sglang = isinstance(arch, DFlashArchitecture) and fmt == DraftFormat.sglang
     if (
-        (read_fmt != fmt and not dflash)
+        (read_fmt != fmt and not (dflash_sglang and read_fmt == DraftFormat.vllm))
         or read_arch != arch
         or wrong
         or set(read_tensors) != set(expected)
@@ -197,7 +198,8 @@ def check_main(argv: list[str]) -> int:
                 print(f"  - {problem}")
         else:
             if isinstance(read_sglang_architecture(directory), DFlashArchitecture):
-                print(f"{directory}: ok (DFlash, the layout vLLM and SGLang load)")
+                layout = read_draft(directory)[0].value
+                print(f"{directory}: ok (DFlash, {layout} layout)")
             else:
                 print(f"{directory}: ok ({read_draft(directory)[0].value} format)")
     return status

@@ -237,3 +237,35 @@ def test_check_names_what_vllm_would_load_wrongly(tmp_path: Path) -> None:
         "fc.weight has shape",
     ):
         assert expected in problems
+
+
+def test_the_speculators_layout_reads_back_as_vllm_reads_it(tmp_path: Path) -> None:
+    from eagleforge.formats.dflash import as_engine_config, dflash_config
+    from eagleforge.formats.kinds import DraftFormat
+    from eagleforge.formats.read import read_draft
+    from eagleforge.formats.write import Verifier, write_draft
+
+    draft = tiny_draft()
+    verifier = Verifier("HuggingFaceTB/SmolLM2-135M-Instruct", ["LlamaForCausalLM"])
+    out = write_draft(
+        draft.arch, draft.state_dict(), tmp_path / "s", DraftFormat.speculators, verifier
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash"
+    assert config["aux_hidden_state_layer_ids"] == [2, 3, 4]  # input of layer
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    # what vLLM's speculators reader builds is the vLLM layout's config
+    engine = as_engine_config(config)
+    for key, value in dflash_config(draft.arch, torch.float32).items():
+        if key not in ("eagleforge",):
+            assert engine[key] == value, key
+    assert check_dflash(out, target_num_layers=6) == []
+    fmt, arch, tensors = read_draft(out)
+    assert (
+        fmt == DraftFormat.speculators
+        and arch == draft.arch
+        and set(tensors) == set(draft.state_dict())
+    )
+    del config["speculators_config"]["verifier"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert any("verifier.name_or_path" in p for p in check_dflash(out))

@@ -27,9 +27,41 @@ DFLASH_ARCHITECTURE = "DFlashDraftModel"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+SPECULATORS_DFLASH_ARCHITECTURE = "DFlashSpeculator"
+
+
 def is_dflash(config: dict[str, Any]) -> bool:
-    """Whether a draft's ``config.json`` describes a DFlash draft."""
-    return config.get("architectures") == [DFLASH_ARCHITECTURE] or "dflash_config" in config
+    """Whether a draft's ``config.json`` describes a DFlash draft (either layout)."""
+    return (
+        config.get("architectures") == [DFLASH_ARCHITECTURE]
+        or "dflash_config" in config
+        or config.get("speculators_model_type") == "dflash"
+    )
+
+
+def is_speculators(config: dict[str, Any]) -> bool:
+    return config.get("speculators_model_type") == "dflash"
+
+
+def as_engine_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config vLLM builds from a DFlash ``config.json``: a speculators one becomes its
+    ``transformer_layer_config`` with the DFlash fields (its aux layer ids are input-of-layer
+    ids, one above ``dflash_config.target_layer_ids``), as vLLM's speculators reader does; the
+    vLLM layout is returned as it is."""
+    if not is_speculators(config):
+        return config
+    layer = dict(config.get("transformer_layer_config") or {})
+    ids = config.get("aux_hidden_state_layer_ids")
+    layer["architectures"] = [DFLASH_ARCHITECTURE]
+    layer["target_hidden_size"] = config.get("target_hidden_size", layer.get("hidden_size"))
+    layer["dflash_config"] = {
+        "mask_token_id": config.get("mask_token_id"),
+        "target_layer_ids": [i - 1 for i in ids] if isinstance(ids, list) else ids,
+        "block_size": layer.get("block_size"),
+    }
+    layer.setdefault("torch_dtype", config.get("torch_dtype"))
+    layer.setdefault("eagleforge", config.get("eagleforge") or {})
+    return layer
 
 
 def dflash_config(arch: DFlashArchitecture, dtype: torch.dtype) -> dict[str, Any]:
@@ -71,21 +103,71 @@ def dflash_config(arch: DFlashArchitecture, dtype: torch.dtype) -> dict[str, Any
     }
 
 
+def speculators_dflash_config(
+    arch: DFlashArchitecture,
+    dtype: torch.dtype,
+    verifier: str,
+    verifier_architectures: list[str],
+) -> dict[str, Any]:
+    """The speculators ``config.json`` of a DFlash draft (``speculators_model_type: dflash``):
+    the Qwen3 layer config under ``transformer_layer_config``, the taps as input-of-layer
+    ``aux_hidden_state_layer_ids``, and a greedy proposal of the block's B-1 tokens."""
+    layer = dflash_config(arch, dtype)
+    own = {"dflash_config", "target_hidden_size", "eagleforge", "architectures"}
+    return {
+        "architectures": [SPECULATORS_DFLASH_ARCHITECTURE],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": {
+            **{k: v for k, v in layer.items() if k not in own},
+            "architectures": ["Qwen3ForCausalLM"],
+        },
+        "draft_vocab_size": arch.vocab_size,
+        "target_hidden_size": arch.target_hidden_size,
+        "mask_token_id": arch.mask_token_id,
+        "aux_hidden_state_layer_ids": [i + 1 for i in arch.target_layer_ids],
+        "torch_dtype": layer["torch_dtype"],
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": arch.block_size - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
+        },
+        "eagleforge": layer["eagleforge"],
+    }
+
+
 def write_dflash(
-    arch: DFlashArchitecture, tensors: dict[str, torch.Tensor], out_dir: str | Path
+    arch: DFlashArchitecture,
+    tensors: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    speculators_verifier: tuple[str, list[str]] | None = None,
 ) -> Path:
-    """Write a DFlash draft directory from the draft's state dict."""
+    """Write a DFlash draft directory from the draft's state dict: the layout vLLM and SGLang
+    load, or with ``speculators_verifier`` (the target's name or path and architectures)
+    speculators' config over the same tensors."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kept = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_safetensors(kept, out / "model.safetensors", metadata={"format": "pt"})
-    config = dflash_config(arch, kept["fc.weight"].dtype)
+    dtype = kept["fc.weight"].dtype
+    if speculators_verifier is None:
+        config = dflash_config(arch, dtype)
+    else:
+        config = speculators_dflash_config(arch, dtype, *speculators_verifier)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
 def dflash_architecture_of(config: dict[str, Any]) -> DFlashArchitecture:
-    """The architecture a DFlash ``config.json`` describes."""
+    """The architecture a DFlash ``config.json`` (either layout) describes."""
+    config = as_engine_config(config)
     dflash = config.get("dflash_config") or {}
     rope = config.get("rope_parameters") or {}
     return DFlashArchitecture(
@@ -133,10 +215,13 @@ def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list
     if corrupt is not None:
         return [f"{path}: {corrupt}, so its files are corrupt (use an earlier checkpoint)"]
     try:
-        config = json.loads(config_path.read_text())
+        written = json.loads(config_path.read_text())
     except (OSError, ValueError) as e:
         return [f"{config_path}: unreadable ({unreadable_reason(e)})"]
     problems = []
+    if is_speculators(written):
+        problems += _speculators_problems(written)
+    config = as_engine_config(written)
     if config.get("architectures") != [DFLASH_ARCHITECTURE]:
         problems.append(
             f"architectures is {config.get('architectures')!r}; vLLM loads a DFlash draft as "
@@ -219,4 +304,24 @@ def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list
     declared = config.get("torch_dtype")
     if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
         problems.append(f"config says torch_dtype {declared}, the weights are {next(iter(floats))}")
+    return problems
+
+
+def _speculators_problems(config: dict[str, Any]) -> list[str]:
+    """What vLLM's speculators reader needs of a DFlash config before it converts it."""
+    problems = []
+    if not isinstance(config.get("transformer_layer_config"), dict):
+        problems.append("a speculators DFlash config needs its transformer_layer_config")
+    ids = config.get("aux_hidden_state_layer_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+        problems.append(f"aux_hidden_state_layer_ids must list layer ids, got {ids!r}")
+    try:
+        methods = config["speculators_config"]["proposal_methods"]
+        _ = methods[0]["speculative_tokens"]
+        _ = config["speculators_config"]["verifier"]["name_or_path"]
+    except (KeyError, IndexError, TypeError):
+        problems.append(
+            "speculators_config needs proposal_methods[0].speculative_tokens and "
+            "verifier.name_or_path (vLLM's speculators reader refuses it otherwise)"
+        )
     return problems

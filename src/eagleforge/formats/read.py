@@ -14,7 +14,12 @@ from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError
 from eagleforge.files import unreadable_reason
-from eagleforge.formats.dflash import dflash_architecture_of, is_dflash, read_dflash
+from eagleforge.formats.dflash import (
+    dflash_architecture_of,
+    is_dflash,
+    is_speculators,
+    read_dflash,
+)
 from eagleforge.formats.kinds import VLLM_ARCHITECTURE, DraftFormat
 
 
@@ -38,14 +43,15 @@ def read_draft(
     path: str | Path,
 ) -> tuple[DraftFormat, DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
     """A draft directory in any format: its format, architecture and tensors (eagleforge names).
-    A DFlash draft has one layout, the one vLLM (and SGLang) load: its format reads as vllm."""
+    A DFlash draft reads as vllm (the layout vLLM and SGLang load) or speculators."""
     config_path, weights_path = Path(path) / "config.json", Path(path) / "model.safetensors"
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{config_path}: unreadable ({unreadable_reason(e)})") from None
     if is_dflash(config):
-        return (DraftFormat.vllm, *read_dflash(path))
+        dflash_fmt = DraftFormat.speculators if is_speculators(config) else DraftFormat.vllm
+        return (dflash_fmt, *read_dflash(path))
     fmt = detect_format(config)
     try:
         tensors = load_file(str(weights_path))

@@ -12,7 +12,6 @@ import torch
 
 from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
-from eagleforge.errors import ConfigError
 from eagleforge.files import save_safetensors
 from eagleforge.formats.dflash import write_dflash
 from eagleforge.formats.kinds import (
@@ -110,12 +109,10 @@ def write_draft(
     """Write a draft directory in ``fmt`` from tensors with eagleforge's names (the embedding,
     if given, is left out). A DFlash draft has one layout, which vLLM and SGLang both load."""
     if isinstance(arch, DFlashArchitecture):
-        if fmt == DraftFormat.speculators:
-            raise ConfigError(
-                "export.format=speculators: eagleforge writes DFlash drafts in the layout vLLM "
-                "and SGLang load (export.format=vllm or sglang), not speculators' own."
-            )
-        return write_dflash(arch, tensors, out_dir)
+        if fmt != DraftFormat.speculators:
+            return write_dflash(arch, tensors, out_dir)
+        verifier = verifier or Verifier(name_or_path="")
+        return write_dflash(arch, tensors, out_dir, (verifier.name_or_path, verifier.architectures))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kept = {
