@@ -80,3 +80,18 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@torch.no_grad()
+def init_trainable(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
+    """Normal(0, std) for every trainable matrix, ones for norm gains, zero biases; frozen
+    parameters (a copied embedding) are kept. Draws in parameter order from ``generator``."""
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if "norm" in name and param.ndim == 1:  # every RMSNorm gain
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * std)

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from eagleforge.batch import BlockBatch, rows_per_chunk
 from eagleforge.draft.training import TrainingModule
 from eagleforge.errors import ConfigError
-from eagleforge.layers import RMSNorm, SwiGLU, rotate_half
+from eagleforge.layers import RMSNorm, SwiGLU, init_trainable, rotate_half
 
 # The DFlash paper's loss decay gamma by block size (16, 10, 8); other sizes take the nearest
 # size at or below theirs.
@@ -256,14 +256,7 @@ class DFlashDraft(nn.Module):
 
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         """Normal(0, std) for every matrix, ones for the norms, zero biases."""
-        for name, param in self.named_parameters():
-            with torch.no_grad():
-                if "norm" in name and param.ndim == 1:
-                    param.fill_(1.0)
-                elif name.endswith("bias"):
-                    param.zero_()
-                else:
-                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+        init_trainable(self, std, generator)
 
     def set_target_weights(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
         """The target's input embedding and lm_head, which the draft reads and never trains,

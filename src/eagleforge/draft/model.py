@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from eagleforge.draft.attention import FLASH_CUDA_ONLY
 from eagleforge.draft.dflash import DFlashConfig
 from eagleforge.errors import ConfigError
-from eagleforge.layers import RMSNorm, SwiGLU, rotate_half
+from eagleforge.layers import RMSNorm, SwiGLU, init_trainable, rotate_half
 
 
 class AttentionBackend(str, Enum):
@@ -352,16 +352,7 @@ class Eagle3Draft(nn.Module):
 
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         """Normal(0, std) for every trainable matrix, ones for norms (the frozen embedding is kept)."""
-        for name, param in self.named_parameters():
-            if name.startswith("embed_tokens"):
-                continue
-            with torch.no_grad():
-                if "norm" in name and param.ndim == 1:  # every RMSNorm, fc_norm.{i} too
-                    param.fill_(1.0)
-                elif name.endswith("bias"):
-                    param.zero_()
-                else:
-                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+        init_trainable(self, std, generator)
 
     def init_logit_lens(self, final_norm_H: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
         """Start as the target's logit lens at its last aux layer: ``fc`` passes that layer's

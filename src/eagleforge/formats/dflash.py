@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.errors import CheckpointError
 from eagleforge.files import checksum_problem, save_safetensors, unreadable_reason
+from eagleforge.formats.kinds import dtype_name
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 SPECULATORS_DFLASH_ARCHITECTURE = "DFlashSpeculator"
@@ -90,7 +90,7 @@ def dflash_config(arch: DFlashArchitecture, dtype: torch.dtype) -> dict[str, Any
         "max_window_layers": arch.num_hidden_layers,
         # every layer attends bidirectionally within the block (vLLM: non-causal)
         "layer_types": ["full_attention"] * arch.num_hidden_layers,
-        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "torch_dtype": dtype_name(dtype),
         "block_size": arch.block_size,
         "num_target_layers": arch.num_target_layers,
         "target_hidden_size": arch.target_hidden_size,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+import torch
+
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
@@ -32,3 +34,10 @@ class DraftFormat(str, Enum):
     def layer_id_offset(self) -> int:
         """Added to eagleforge's (output-of-layer) aux layer ids in this format."""
         return 0 if self == DraftFormat.sglang else 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A config.json's ``torch_dtype`` for weights of ``dtype`` (float32 for others)."""
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+        dtype, "float32"
+    )

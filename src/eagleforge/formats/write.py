@@ -19,9 +19,8 @@ from eagleforge.formats.kinds import (
     SPECULATORS_ARCHITECTURE,
     VLLM_ARCHITECTURE,
     DraftFormat,
+    dtype_name,
 )
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def sglang_config(arch: DraftArchitecture, dtype: torch.dtype) -> dict[str, Any]:
@@ -46,7 +45,7 @@ def sglang_config(arch: DraftArchitecture, dtype: torch.dtype) -> dict[str, Any]
         "draft_vocab_size": arch.draft_vocab_size,
         "target_hidden_size": arch.target_hidden_size,
         "tie_word_embeddings": False,
-        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "torch_dtype": dtype_name(dtype),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(arch.aux_layer_ids),
             "use_aux_hidden_state": True,
