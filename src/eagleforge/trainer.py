@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, read_history, save_checkpoint
-from eagleforge.draft.dflash import BlockStats
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule, empty_like
 from eagleforge.draft.ttt import TTTStats, simulated_acceptance_length
 from eagleforge.errors import ConfigError
@@ -126,7 +125,7 @@ class StepSums:
             torch.zeros(num_positions, dtype=torch.float64),
         )
 
-    def add(self, stats: TTTStats | BlockStats | StepSums, tokens: int) -> None:
+    def add(self, stats: TTTStats | StepSums, tokens: int) -> None:
         """Add one micro-batch's stats (or another window's sums) covering ``tokens`` tokens."""
         self.loss_sum_k += stats.loss_sum_k.detach().double().cpu()
         self.num_counted_k += stats.num_counted_k.cpu()

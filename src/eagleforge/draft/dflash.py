@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagleforge.batch import BlockBatch, rows_per_chunk
-from eagleforge.draft.training import TrainingModule
+from eagleforge.draft.training import TrainingModule, TTTStats
 from eagleforge.errors import ConfigError
 from eagleforge.layers import RMSNorm, SwiGLU, init_trainable, rotate_half
 
@@ -490,23 +490,12 @@ def _row_losses(
     return F.cross_entropy(logits, labels_n, reduction="none")
 
 
-@dataclass
-class BlockStats:
-    """Per-slot sums over one micro-batch (slots 1 .. B-1), as ``draft.ttt.TTTStats``."""
-
-    loss: torch.Tensor
-    loss_sum_k: torch.Tensor
-    num_counted_k: torch.Tensor
-    num_correct_k: torch.Tensor
-    alpha_sum_k: torch.Tensor
-
-
 def block_forward(
     draft: DFlashDraft,
     batch: BlockBatch,
     loss_scale_k: torch.Tensor | None = None,
     loss_chunk_size: int | None = None,
-) -> BlockStats:
+) -> TTTStats:
     """One forward over every block of the batch; per-slot loss sums and counts. Slot k's
     acceptance α is the draft's probability of the label (the target's greedy token in
     regenerated data): Σ_v min(p_v, q_v) against a one-hot target."""
@@ -533,7 +522,7 @@ def block_forward(
     else:
         loss = (rows.loss_n * loss_scale_k.to(slot_n.device)[slot_n]).sum()
     correct = (rows.argmax_n == layout.labels_BQ[counted]).long()
-    return BlockStats(
+    return TTTStats(
         loss=loss,
         loss_sum_k=per_slot.index_add(0, slot_n, rows.loss_n.detach()),
         num_counted_k=counts.index_add(0, slot_n, torch.ones_like(slot_n)),
@@ -571,9 +560,6 @@ class BlockModule(TrainingModule):
             stats.num_correct_k,
             stats.alpha_sum_k,
         )
-
-    def stats(self, batch: BlockBatch, loss_scale_k: torch.Tensor | None = None) -> BlockStats:
-        return BlockStats(*self(batch, loss_scale_k))
 
     def count_positions(self, batch: BlockBatch) -> torch.Tensor:
         return count_block_positions(batch, self.draft.arch.block_size)

@@ -3,10 +3,22 @@ training pass over one micro-batch (``ttt.TTTModule``, ``dflash.BlockModule``)."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+
+@dataclass
+class TTTStats:
+    """Per-step sums over one micro-batch; divide by global counts for the loss and accuracy."""
+
+    loss: torch.Tensor  # Σ_i scale_i · loss_sum_i, differentiable (0 without loss scales)
+    loss_sum_k: torch.Tensor  # the loss kind's value summed over counted positions (detached)
+    num_counted_k: torch.Tensor  # counted positions (long)
+    num_correct_k: torch.Tensor  # counted positions where d2t(argmax draft) == target argmax
+    alpha_sum_k: torch.Tensor  # expected acceptance Σ_v min(p_v, q_v) summed over counted positions
 
 
 class TrainingModule(nn.Module):
@@ -17,9 +29,11 @@ class TrainingModule(nn.Module):
     draft: Any  # the family's draft module (Eagle3Draft, DFlashDraft)
     num_positions: int
 
-    def stats(self, batch: Any, loss_scale_k: torch.Tensor | None = None) -> Any:
-        """This micro-batch's sums; ``loss_scale_k`` (``loss_scales``) makes them a loss."""
-        raise NotImplementedError
+    def stats(self, batch: Any, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
+        """This micro-batch's sums; ``loss_scale_k`` (``loss_scales``) makes them a loss.
+        ``forward`` returns them as a tuple: FSDP2 hooks the backward through the outputs it
+        can flatten."""
+        return TTTStats(*self(batch, loss_scale_k))
 
     def count_positions(self, batch: Any) -> torch.Tensor:
         """Counted positions [num_positions] of a micro-batch (summed for the step's scales)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +30,7 @@ from eagleforge.draft.attention import (
 )
 from eagleforge.draft.loss import LossConfig, chunked_loss
 from eagleforge.draft.model import AttentionBackend, Eagle3Draft
-from eagleforge.draft.training import TrainingModule
+from eagleforge.draft.training import TrainingModule, TTTStats
 
 # (q, keys, values, valid_BT, document_ids_BT) -> [B, T, N*D], as ``eager_ttt_attention``.
 AttentionFn = Callable[
@@ -66,17 +65,6 @@ ATTENTION: dict[AttentionBackend, AttentionFn] = {
     AttentionBackend.flex: flex_ttt_attention,
     AttentionBackend.flash: flash_ttt_attention,
 }
-
-
-@dataclass
-class TTTStats:
-    """Per-step sums over one micro-batch; divide by global counts for the loss and accuracy."""
-
-    loss: torch.Tensor  # Σ_i scale_i · loss_sum_i, differentiable (0 without loss scales)
-    loss_sum_k: torch.Tensor  # the loss kind's value summed over counted positions (detached)
-    num_counted_k: torch.Tensor  # counted positions (long)
-    num_correct_k: torch.Tensor  # counted positions where d2t(argmax draft) == target argmax
-    alpha_sum_k: torch.Tensor  # expected acceptance Σ_v min(p_v, q_v) summed over counted positions
 
 
 def counted_positions(
@@ -317,9 +305,6 @@ class TTTModule(TrainingModule):
             stats.num_correct_k,
             stats.alpha_sum_k,
         )
-
-    def stats(self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
-        return TTTStats(*self(batch, loss_scale_k))
 
     def count_positions(self, batch: TTTBatch) -> torch.Tensor:
         """Counted positions per step (the step's global normalisation sums them)."""
