@@ -9,6 +9,8 @@ rank 0 logs the traces as MLflow artifacts and prints a short table of the top o
 from __future__ import annotations
 
 import logging
+import resource
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,3 +97,12 @@ class StepProfiler:
         if self.active:
             self.profiler.stop()
             self.active = False
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory so far, in MiB: the CUDA caching allocator's peak on a GPU
+    (what torchtitan logs), the peak resident set on a CPU (target, draft and data together)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes there, KiB here

@@ -34,7 +34,7 @@ from eagleforge.draft.ttt import TTTStats, simulated_acceptance_length
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
-from eagleforge.profiling import ProfileConfig, StepProfiler
+from eagleforge.profiling import ProfileConfig, StepProfiler, peak_memory_mib
 from eagleforge.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -541,6 +541,7 @@ class Trainer:
                         "train/lr": float(self.scheduler.get_last_lr()[0]),
                         "train/grad_norm": grad_norm,
                         "train/tokens_per_s": tokens_per_s,
+                        "train/peak_mem_mib": peak_memory_mib(self.device),
                         "train/epoch": float(self.epoch),
                     }
                 )

@@ -75,6 +75,9 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
     client = mlflow.MlflowClient()
     history = client.get_metric_history(run_.info.run_id, "train/loss")
     assert [m.step for m in history] == [2, 4]
+    # the process's peak memory, which never goes down: more than the model's own 50 MiB
+    peaks = [m.value for m in client.get_metric_history(run_.info.run_id, "train/peak_mem_mib")]
+    assert len(peaks) == 2 and 50 < peaks[0] <= peaks[1]
     assert [m.step for m in client.get_metric_history(run_.info.run_id, "eval/acc_0")] == [0, 2, 4]
     kept = client.get_metric_history(run_.info.run_id, "data/kept")
     skipped = client.get_metric_history(run_.info.run_id, "data/skipped_no_assistant_turn")

@@ -220,6 +220,9 @@ def test_check_names_what_vllm_would_load_wrongly(tmp_path: Path) -> None:
     out = write_dflash(draft.arch, draft.state_dict(), tmp_path / "d")
     assert any("outside the target's 0..2" in p for p in check_dflash(out, target_num_layers=3))
     config = json.loads((out / "config.json").read_text())
+    # without the target, the draft's own num_target_layers bounds the taps, as SGLang checks
+    config["num_target_layers"] = 3
+    config["layer_types"] = ["full_attention", "causal"]
     del config["head_dim"]
     config["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
     (out / "config.json").write_text(json.dumps(config))
@@ -227,6 +230,7 @@ def test_check_names_what_vllm_would_load_wrongly(tmp_path: Path) -> None:
     tensors["mask_hidden"] = torch.zeros(32)
     tensors["lm_head.weight"] = torch.zeros(40, 32)
     tensors["fc.weight"] = torch.zeros(32, 64)
+    tensors["layers.0.self_attn.qkv.weight"] = tensors.pop("layers.0.self_attn.q_proj.weight")
     save_file(tensors, str(out / "model.safetensors"))
     problems = " | ".join(check_dflash(out))
     for expected in (
@@ -235,8 +239,15 @@ def test_check_names_what_vllm_would_load_wrongly(tmp_path: Path) -> None:
         "mask_hidden",
         "lm_head.weight is in",
         "fc.weight has shape",
+        "outside the target's 0..2",
+        "layer_types must list 2 layer types",
+        "tensors no engine loads: layers.0.self_attn.qkv.weight",
+        "no layers.0.self_attn.q_proj.weight",
     ):
         assert expected in problems
+    config["target_hidden_size"] = 48  # SGLang's fc is [hidden, taps x hidden]
+    (out / "config.json").write_text(json.dumps(config))
+    assert "SGLang sizes fc by hidden_size" in " | ".join(check_dflash(out))
 
 
 def test_the_speculators_layout_reads_back_as_vllm_reads_it(tmp_path: Path) -> None:

@@ -29,6 +29,16 @@ DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
 SPECULATORS_DFLASH_ARCHITECTURE = "DFlashSpeculator"
 
+# the tensors of each of the draft's Qwen3 layers, as vLLM and SGLang name them
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    *(f"self_attn.{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    *(f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")),
+)
+
 
 def is_dflash(config: dict[str, Any]) -> bool:
     """Whether a draft's ``config.json`` describes a DFlash draft (either layout)."""
@@ -208,7 +218,9 @@ def read_dflash(path: str | Path) -> tuple[DFlashArchitecture, dict[str, torch.T
 
 def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list[str]:
     """Every problem that would make a DFlash directory load wrongly in vLLM or SGLang, or
-    draft from other layers than it was trained on; empty when there is none."""
+    draft from other layers than it was trained on; empty when there is none. What SGLang
+    checks is from its ``models/dflash.py`` and ``speculative/dflash_utils.py``: the taps
+    within ``num_target_layers``, known layer types, fc of [hidden, taps x hidden]."""
     path = Path(path)
     config_path, weights_path = path / "config.json", path / "model.safetensors"
     corrupt = checksum_problem(path)
@@ -248,11 +260,15 @@ def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list
     ):
         problems.append(f"dflash_config.target_layer_ids must list layer ids, got {layer_ids!r}")
         layer_ids = None
-    elif target_num_layers is not None and not all(0 <= i < target_num_layers for i in layer_ids):
-        problems.append(
-            f"dflash_config.target_layer_ids {layer_ids} (output of layer) are outside the "
-            f"target's 0..{target_num_layers - 1}"
-        )
+    else:
+        # the target's layer count given, else the draft's own num_target_layers, which SGLang
+        # checks the taps against when it loads the draft
+        limit = target_num_layers or config.get("num_target_layers")
+        if isinstance(limit, int) and not all(0 <= i < limit for i in layer_ids):
+            problems.append(
+                f"dflash_config.target_layer_ids {layer_ids} (output of layer) are outside the "
+                f"target's 0..{limit - 1}"
+            )
     sizes = {config.get("block_size"), dflash.get("block_size")} - {None}
     if len(sizes) != 1 or not all(isinstance(s, int) and s >= 2 for s in sizes):
         problems.append(
@@ -262,9 +278,14 @@ def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list
     layers = config.get("num_hidden_layers")
     layer_types = config.get("layer_types")
     if isinstance(layers, int) and (
-        not isinstance(layer_types, list) or len(layer_types) != layers
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or not set(layer_types) <= {"full_attention", "sliding_attention"}
     ):
-        problems.append(f"layer_types must list {layers} layer types, got {layer_types!r}")
+        problems.append(
+            f"layer_types must list {layers} layer types (full_attention or sliding_attention, "
+            f"what SGLang builds), got {layer_types!r}"
+        )
     if not weights_path.is_file():
         return [*problems, f"{path}: no model.safetensors"]
     try:
@@ -290,16 +311,30 @@ def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list
                 f"fc.weight has shape {tuple(fc.shape)}, expected {expected} "
                 f"({len(layer_ids)} tapped layers x target hidden {target_hidden})"
             )
-    wanted = ["hidden_norm.weight", "norm.weight"]
+        if target_hidden != hidden:
+            problems.append(
+                f"target_hidden_size {target_hidden} is not hidden_size {hidden}: SGLang sizes "
+                "fc by hidden_size and would refuse these weights"
+            )
+    wanted = ["fc.weight", "hidden_norm.weight", "norm.weight"]
     if isinstance(layers, int):
-        wanted += [f"layers.{i}.self_attn.k_norm.weight" for i in range(layers)]
+        wanted += [f"layers.{i}.{name}" for i in range(layers) for name in LAYER_TENSORS]
+        if config.get("attention_bias"):
+            projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+            wanted += [f"layers.{i}.self_attn.{p}.bias" for i in range(layers) for p in projections]
         extra = sorted(
             {k.split(".")[1] for k in tensors if k.startswith("layers.")}
             - {str(i) for i in range(layers)}
         )
         if extra:
             problems.append(f"weights hold layers {extra} beyond num_hidden_layers {layers}")
-    problems += [f"no {name} in the weights" for name in wanted if name not in tensors]
+        # vLLM and SGLang skip a tensor whose name they do not know: it would never load
+        reported = {"embed_tokens.weight", "lm_head.weight"}  # and mask_hidden, above
+        unknown = sorted(k for k in set(tensors) - set(wanted) - reported if "mask_hidden" not in k)
+        if unknown:
+            problems.append(f"tensors no engine loads: {', '.join(unknown[:5])}")
+    missing = [name for name in wanted if name not in tensors and name != "fc.weight"]
+    problems += [f"no {name} in the weights" for name in missing[:5]]
     floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
     declared = config.get("torch_dtype")
     if declared and len(floats) == 1 and str(next(iter(floats))) != f"torch.{declared}":
