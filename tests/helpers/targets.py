@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from eagleforge.speculative.decoder import SpeculativeDecoder
 from eagleforge.targets.hf import HFTarget
 
 
@@ -38,3 +39,27 @@ def exact_marginals(target: HFTarget, prompt: list[int], temperature: float) -> 
     p3_given = next_probs(torch.cat([base.expand(vocab * vocab, -1), pairs], dim=1))
     joint123 = joint12.reshape(-1, 1) * p3_given
     return [p1, joint12.sum(0), joint123.sum(0)]
+
+
+def assert_samples_follow_the_target(
+    decoder: SpeculativeDecoder,
+    target: HFTarget,
+    prompt: list[int],
+    temperature: float,
+    runs: int = 1500,
+) -> None:
+    """Decode ``prompt`` ``runs`` times at ``temperature``: the draft's proposals must really be
+    accepted, and each of the first 3 generated positions' marginals must match the target's
+    (chi-square over 8 tokens, 7 degrees of freedom; 35 is p < 1e-5)."""
+    counts = torch.zeros(3, target.config.vocab_size)
+    generator = torch.Generator().manual_seed(11)
+    accepted = 0
+    for _ in range(runs):
+        result = decoder.generate(prompt, generator)
+        accepted += sum(result.accepted_lengths)
+        for position, token in enumerate(result.output_ids[:3]):
+            counts[position, token] += 1
+    assert accepted > runs // 4  # the draft's proposals are really being accepted
+    for position, expected in enumerate(exact_marginals(target, prompt, temperature)):
+        chi2 = float((((counts[position] - runs * expected) ** 2) / (runs * expected)).sum())
+        assert chi2 < 35.0, (position, chi2, counts[position] / runs, expected)

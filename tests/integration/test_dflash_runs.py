@@ -20,7 +20,7 @@ from eagleforge.speculative.config import DecodeSettings
 from eagleforge.targets.hf import HFTarget
 from eagleforge.train import run
 from helpers.runs import start_from, tiny_run_overrides, weights
-from helpers.targets import exact_marginals, small_vocab_target
+from helpers.targets import assert_samples_follow_the_target, small_vocab_target
 
 pytestmark = pytest.mark.integration
 
@@ -104,15 +104,4 @@ def test_block_decoder_sampled_output_follows_the_targets_distribution() -> None
     draft = random_dflash(target, 7, 0.6)
     prompt, temperature, runs = [1, 5, 2], 0.8, 1500
     decoder = BlockDecoder(target, draft, DecodeSettings(3, 3, 1, 4, temperature), set())
-    counts = torch.zeros(3, 8)
-    generator = torch.Generator().manual_seed(11)
-    accepted = 0
-    for _ in range(runs):
-        result = decoder.generate(prompt, generator)
-        accepted += sum(result.accepted_lengths)
-        for position, token in enumerate(result.output_ids[:3]):
-            counts[position, token] += 1
-    assert accepted > runs // 4  # the draft's proposals are really being accepted
-    for position, expected in enumerate(exact_marginals(target, prompt, temperature)):
-        chi2 = float((((counts[position] - runs * expected) ** 2) / (runs * expected)).sum())
-        assert chi2 < 35.0, (position, chi2, counts[position] / runs, expected)
+    assert_samples_follow_the_target(decoder, target, prompt, temperature, runs)

@@ -18,20 +18,19 @@ A round:
    grows by their target states.
 
 τ counts the tokens a round commits (accepted proposals + the target's token), as for
-EAGLE-3 (``decoder.py``, whose result type, stopping rules and sampling this shares).
+EAGLE-3: ``decoder.py``'s round, result type, stopping rules and acceptance run both drafts.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from eagleforge.draft.dflash import DFlashDraft
 from eagleforge.speculative.config import DecodeSettings
-from eagleforge.speculative.decoder import DecodeResult, SpeculativeDecoder, _lap
+from eagleforge.speculative.decoder import SpeculativeDecoder
 from eagleforge.speculative.runners import PromptImages, RopePositions, TargetRunner
-from eagleforge.speculative.sampling import accept_sampled, sample_index
+from eagleforge.speculative.sampling import sample_index
+from eagleforge.speculative.tree import Node
 from eagleforge.targets.hf import HFTarget
 
 # Shape suffixes: L committed context, Q block slots, V target vocab, H hidden, A taps width.
@@ -80,8 +79,10 @@ class BlockContext:
 
 
 class BlockDecoder(SpeculativeDecoder):
-    """Decodes one prompt at a time with a DFlash draft (see the module docstring); the
-    target-alone and transformers baselines are ``SpeculativeDecoder``'s."""
+    """Decodes one prompt at a time with a DFlash draft (see the module docstring). The round
+    -- draft, verify, walk down the accepted proposals, commit -- and the target-alone and
+    transformers baselines are ``SpeculativeDecoder``'s: the block's proposals are a chain of
+    nodes, and what differs is the prefill, the drafting and the commit."""
 
     def __init__(
         self,
@@ -93,87 +94,57 @@ class BlockDecoder(SpeculativeDecoder):
         # SpeculativeDecoder's target runner, stopping rules and baselines, not its EAGLE-3
         # draft runner (no super().__init__)
         self.target, self.context = TargetRunner(target), BlockContext(draft)
-        self.rope = RopePositions()
+        self.rope = RopePositions()  # plain RoPE: DFlash refuses M-RoPE targets
         self.settings, self.eos_ids = settings, eos_ids
         self.num_proposals = min(draft.arch.block_size - 1, settings.num_draft_tokens)
+        # no draft vocabulary: a proposal's id is its target id
+        self.target_ids_W = torch.arange(draft.arch.vocab_size, device=self.target.device)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: list[int],
-        generator: torch.Generator,
-        images: PromptImages | None = None,
-    ) -> DecodeResult:
-        start = time.perf_counter()
-        parts = dict.fromkeys(("prefill", "draft", "verify", "commit"), 0.0)
+    @property
+    def draft_passes_per_round(self) -> int:
+        return 1  # one draft forward proposes the whole block
+
+    def _prefill(
+        self, prompt_ids: list[int], generator: torch.Generator, images: PromptImages | None
+    ) -> tuple[int, torch.Tensor]:
+        """The target over the prompt, the draft's context over its states: the target's
+        first token x_L, twice (the next block starts from it)."""
         device = self.target.device
         self.target.reset()
         self.context.reset()
-        prompt = torch.tensor(prompt_ids, device=device)
-        logits, aux = self.target.forward(
-            prompt, torch.arange(len(prompt_ids), device=device), None
-        )
+        positions = torch.arange(len(prompt_ids), device=device)
+        logits, aux = self.target.forward(torch.tensor(prompt_ids, device=device), positions, None)
+        self.context.extend(aux, positions)
         token = self._pick(logits[-1], generator)
-        self.context.extend(aux, torch.arange(len(prompt_ids), device=device))
-        output, accepted_lengths = [token], []
-        clock = _lap(parts, "prefill", start)
-        while not self._done(output):
-            length = len(prompt_ids) + len(output) - 1  # L: position of the latest token
-            proposals, draft_probs = self._propose(token, length, generator)
-            clock = _lap(parts, "draft", clock)
-            verified = torch.tensor([token, *proposals], device=device)
-            logits, aux = self.target.forward(
-                verified, torch.arange(length, length + len(verified), device=device), None
-            )
-            clock = _lap(parts, "verify", clock)
-            accepted, bonus = self._accept_chain(logits, proposals, draft_probs, generator)
-            accepted_lengths.append(accepted)
-            self.target.keep(length, list(range(accepted + 1)))
-            self.context.extend(
-                aux[: accepted + 1], torch.arange(length, length + accepted + 1, device=device)
-            )
-            new_tokens = [*proposals[:accepted], bonus]
-            output.extend(new_tokens)
-            token = bonus
-            clock = _lap(parts, "commit", clock)
-        return DecodeResult(
-            output_ids=self._trim(output),
-            seconds=time.perf_counter() - start,
-            target_forwards=self.target.forwards,
-            accepted_lengths=accepted_lengths,
-            seconds_by_part=parts,
-            draft_steps=len(accepted_lengths),  # one draft forward per round
-        )
+        return token, torch.tensor(token)
 
-    def _propose(
-        self, token: int, length: int, generator: torch.Generator
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """The verified proposals, and their draft distributions [n, V] when sampling."""
-        logits = self.context.propose(token, length, self.num_proposals)
-        if self.settings.temperature == 0:
-            return logits.argmax(-1).tolist(), None
-        probs = torch.softmax(logits / self.settings.temperature, dim=-1)
-        return [sample_index(p, generator) for p in probs], probs
+    def _draft_tree(
+        self, latest: torch.Tensor, length: int, generator: torch.Generator
+    ) -> list[Node]:
+        """The block ``[x_L, MASK x n]`` in one forward: slot k's argmax, or a sample at the
+        temperature, proposes the token at L+k; a chain of n nodes."""
+        logits = self.context.propose(int(latest), length, self.num_proposals)
+        sampled = self.settings.temperature > 0
+        log_q = torch.log_softmax(logits / self.settings.temperature if sampled else logits, -1)
+        nodes: list[Node] = []
+        for k, log_q_V in enumerate(log_q):
+            probs = log_q_V.exp() if sampled else None
+            token = sample_index(probs, generator) if probs is not None else int(log_q_V.argmax())
+            score = float(log_q_V[token]) + (nodes[-1].score if nodes else 0.0)
+            nodes.append(
+                Node(token=token, parent=k - 1, depth=k + 1, score=score, draft_probs_W=probs)
+            )
+        return nodes
 
-    def _accept_chain(
-        self,
-        logits_MV: torch.Tensor,
-        proposals: list[int],
-        draft_probs: torch.Tensor | None,
-        generator: torch.Generator,
-    ) -> tuple[int, int]:
-        """How many proposals the target accepts, and its own token after them."""
-        for i, proposal in enumerate(proposals):
-            if draft_probs is None:
-                best = int(logits_MV[i].argmax())
-                if best != proposal:
-                    return i, best
-                continue
-            p = self._target_probs(logits_MV[i])
-            accepted, bonus = accept_sampled(p, draft_probs[i].to(p.dtype), proposal, generator)
-            if not accepted:
-                return i, bonus
-        return len(proposals), self._pick(logits_MV[len(proposals)], generator)
+    def _commit(
+        self, length: int, new_tokens: list[int], rows: list[int], aux: torch.Tensor
+    ) -> torch.Tensor:
+        """The target's cache keeps x_L and the accepted proposals (``rows`` of the
+        verification); the draft's context grows by their states. Returns the bonus token."""
+        device = self.target.device
+        self.target.keep(length, rows)
+        self.context.extend(aux[rows], torch.arange(length, length + len(rows), device=device))
+        return torch.tensor(new_tokens[-1])
 
 
 def decoder_for(

@@ -110,6 +110,7 @@ class SpeculativeDecoder:
         """Speculative decoding of one prompt (with its images, for a vision-language target)."""
         start = time.perf_counter()
         parts = dict.fromkeys(("prefill", "draft", "verify", "commit"), 0.0)
+        # the round's draft input: EAGLE-3's draft output at L-1, DFlash's latest token
         token, root_hidden = self._prefill(prompt_ids, generator, images)
         output = [token]
         accepted_lengths: list[int] = []
@@ -134,8 +135,13 @@ class SpeculativeDecoder:
             target_forwards=self.target.forwards,
             accepted_lengths=accepted_lengths,
             seconds_by_part=parts,
-            draft_steps=len(accepted_lengths) * self.settings.num_draft_tokens,
+            draft_steps=len(accepted_lengths) * self.draft_passes_per_round,
         )
+
+    @property
+    def draft_passes_per_round(self) -> int:
+        """Draft-layer passes in a round: one per depth of the chain or tree."""
+        return self.settings.num_draft_tokens
 
     @torch.no_grad()
     def generate_target_only(
