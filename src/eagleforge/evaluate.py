@@ -137,50 +137,41 @@ def load_draft(path: Path, target: HFTarget, device: torch.device) -> AnyDraft:
     layers = int(target.config.get_text_config().num_hidden_layers)
     arch, tensors = load_checked_draft(path, layers)
     if isinstance(arch, DFlashArchitecture):
-        return load_dflash_draft(path, arch, tensors, target, device)
-    vocab = int(target.config.get_text_config().vocab_size)
-    hidden = int(target.config.get_text_config().hidden_size)
-    if arch.vocab_size != vocab or arch.target_hidden_size != hidden:
-        raise ConfigError(
-            f"{path}: this draft was trained for a target with vocab {arch.vocab_size} and "
-            f"hidden size {arch.target_hidden_size}, but +model gives vocab {vocab} and hidden "
-            f"size {hidden}; choose the draft's target model."
-        )
-    if arch.aux_layer_ids != target.aux_layer_ids:
-        raise ConfigError(
-            f"{path}: the draft reads target layers {arch.aux_layer_ids}, the other drafts "
-            f"evaluated with it read {target.aux_layer_ids}; evaluate them separately."
-        )
+        check_draft_target(path, target, arch.vocab_size, arch.target_hidden_size)
+        check_draft_taps(path, target, arch.target_layer_ids)
+        dflash = DFlashDraft(arch)
+        load_draft_weights(dflash, tensors, path)
+        dflash.to(device)
+        dflash.set_target_weights(target.input_embedding(), target.lm_head_weight())
+        return dflash.eval()
+    check_draft_target(path, target, arch.vocab_size, arch.target_hidden_size)
+    check_draft_taps(path, target, arch.aux_layer_ids)
     draft = Eagle3Draft(arch)
     load_draft_weights(draft, tensors, path)
     draft.load_embedding(target.input_embedding().detach().float().cpu())
     return draft.to(device).eval()
 
 
-def load_dflash_draft(
-    path: Path,
-    arch: DFlashArchitecture,
-    tensors: dict[str, torch.Tensor],
-    target: HFTarget,
-    device: torch.device,
-) -> DFlashDraft:
+def check_draft_target(path: Path, target: HFTarget, vocab_size: int, hidden_size: int) -> None:
+    """ConfigError when the draft at ``path`` was trained for a target of another vocabulary
+    or hidden size than ``target``."""
     text = target.config.get_text_config()
-    if arch.vocab_size != text.vocab_size or arch.target_hidden_size != text.hidden_size:
+    if vocab_size != text.vocab_size or hidden_size != text.hidden_size:
         raise ConfigError(
-            f"{path}: this DFlash draft was trained for a target with vocab {arch.vocab_size} "
-            f"and hidden size {arch.target_hidden_size}, but +model gives vocab "
-            f"{text.vocab_size} and hidden size {text.hidden_size}; choose its target model."
+            f"{path}: this draft was trained for a target with vocab {vocab_size} and hidden "
+            f"size {hidden_size}, but +model gives vocab {text.vocab_size} and hidden size "
+            f"{text.hidden_size}; choose the draft's target model."
         )
-    if arch.target_layer_ids != target.aux_layer_ids:
+
+
+def check_draft_taps(path: Path, target: HFTarget, layer_ids: list[int]) -> None:
+    """ConfigError when the draft reads other target layers than the drafts evaluated with it
+    (the target captures one set of layers)."""
+    if list(layer_ids) != list(target.aux_layer_ids):
         raise ConfigError(
-            f"{path}: the draft taps target layers {arch.target_layer_ids}, the other drafts "
-            f"evaluated with it read {target.aux_layer_ids}; evaluate them separately."
+            f"{path}: the draft reads target layers {list(layer_ids)}, the other drafts "
+            f"evaluated with it read {list(target.aux_layer_ids)}; evaluate them separately."
         )
-    draft = DFlashDraft(arch)
-    load_draft_weights(draft, tensors, path)
-    draft.to(device)
-    draft.set_target_weights(target.input_embedding(), target.lm_head_weight())
-    return draft.eval()
 
 
 def evaluate_draft(

@@ -280,3 +280,23 @@ def test_the_speculators_layout_reads_back_as_vllm_reads_it(tmp_path: Path) -> N
     del config["speculators_config"]["verifier"]
     (out / "config.json").write_text(json.dumps(config))
     assert any("verifier.name_or_path" in p for p in check_dflash(out))
+
+
+def test_evaluate_loads_a_dflash_draft_only_for_its_target(tmp_path: Path) -> None:
+    from eagleforge.evaluate import load_draft
+    from eagleforge.targets.hf import HFTarget
+    from helpers.targets import small_vocab_target
+
+    draft = tiny_draft()
+    out = write_dflash(draft.arch, draft.state_dict(), tmp_path / "d")
+    with pytest.raises(ConfigError, match="trained for a target with vocab 40 and hidden size 32"):
+        load_draft(out, small_vocab_target(vocab=8), torch.device("cpu"))
+    other_taps = HFTarget(small_vocab_target(vocab=40).model, aux_layer_ids=[0, 1, 2])
+    with pytest.raises(ConfigError, match=r"reads target layers \[1, 2, 3\], the other drafts"):
+        load_draft(out, other_taps, torch.device("cpu"))
+    target = HFTarget(small_vocab_target(vocab=40).model, aux_layer_ids=[1, 2, 3])
+    loaded = load_draft(out, target, torch.device("cpu"))
+    assert isinstance(loaded, DFlashDraft) and not loaded.training
+    torch.testing.assert_close(loaded.fc.weight, draft.fc.weight)
+    # the engine's lm_head is the target's, not one of its own
+    assert torch.equal(loaded.lm_head_VH, target.lm_head_weight())
