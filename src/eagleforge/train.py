@@ -83,15 +83,17 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         report_profile(trainer.profiler, world, tracker)
     if world.is_main:
         tracker.log_artifact(write_summary(result, output_dir / "summary.json"))
+        dflash = config.draft.family == DraftFamily.dflash
         if result.eval_by_step or result.tau_by_step:  # the learning curve
             curve = plot_learning_curve(
                 result.eval_by_step,
                 result.tau_by_step,
                 run_title(config, output_dir),
                 output_dir / "tau_by_step.png",
+                "block slot (acc_0: slot 1)" if dflash else "TTT position",
             )
             tracker.log_artifact(curve)
-        print_summary(result, tracker, config.draft.family == DraftFamily.dflash)
+        print_summary(result, tracker, dflash)
     tracker.close()
     return result
 

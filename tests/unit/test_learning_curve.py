@@ -33,6 +33,20 @@ def test_the_figure_shows_tau_and_every_position() -> None:
         assert top.get_ylim()[0] == 1.0 and top.get_ylim()[1] > 1.46
         assert [line.get_label() for line in bottom.get_lines()] == ["acc_0", "acc_1", "acc_2"]
         assert bottom.get_ylim()[0] == 0.0 and 0.34 < bottom.get_ylim()[1] <= 1.0
+        assert bottom.get_ylabel() == "eval accuracy by TTT position"
+    finally:
+        plt.close(fig)
+
+
+def test_a_dflash_runs_curve_names_block_slots_and_wraps_a_long_title() -> None:
+    import matplotlib.pyplot as plt
+
+    title = "run: smollm2 on jsonl (outputs/quality/magpie.jsonl), DFlash 2 layers, block 8, " * 2
+    fig = learning_curve_figure(EVALS, {}, title, "block slot (acc_0: slot 1)")
+    try:
+        assert fig.axes[1].get_ylabel() == "eval accuracy by block slot (acc_0: slot 1)"
+        lines = fig._suptitle.get_text().splitlines()
+        assert len(lines) > 1 and all(len(line) <= 90 for line in lines)
     finally:
         plt.close(fig)
 

@@ -218,11 +218,17 @@ def plot_tau_by_step(points: dict[str, list[tuple[int, float]]], path: Path) -> 
 
 
 def learning_curve_figure(
-    eval_by_step: dict[int, dict[str, float]], tau_by_step: dict[int, float], title: str
+    eval_by_step: dict[int, dict[str, float]],
+    tau_by_step: dict[int, float],
+    title: str,
+    position_label: str = "TTT position",
 ) -> Any:
     """A training run's learning curve as one matplotlib figure: above, eval τ_sim by step
     with the real-τ measurements on it (τ from 1, where a draft starts); below, eval acc_i of
-    every TTT position by step (from 0)."""
+    every ``position_label`` (TTT position, or a DFlash block's slot) by step (from 0). A long
+    title is wrapped, never cut."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,13 +257,13 @@ def learning_curve_figure(
         bottom.plot([s for s, _ in points], [a for _, a in points], marker=".", label=f"acc_{i}")
     accs = [m[k] for m in eval_by_step.values() for k in m if k.startswith("eval/acc_")]
     bottom.set_ylim(0.0, min(1.0, max([*accs, 0.0]) * 1.15 + 0.02))
-    bottom.set_ylabel("eval accuracy by TTT position")
+    bottom.set_ylabel(f"eval accuracy by {position_label}")
     bottom.set_xlabel("training step")
     if positions:
         bottom.legend(fontsize=8, ncol=min(4, len(positions)), loc="lower right")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 90), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -267,11 +273,12 @@ def plot_learning_curve(
     tau_by_step: dict[int, float],
     title: str,
     path: Path,
+    position_label: str = "TTT position",
 ) -> Path:
     """``learning_curve_figure`` written to ``path`` (PNG)."""
     import matplotlib.pyplot as plt
 
-    fig = learning_curve_figure(eval_by_step, tau_by_step, title)
+    fig = learning_curve_figure(eval_by_step, tau_by_step, title, position_label)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
