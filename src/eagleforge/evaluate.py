@@ -136,16 +136,15 @@ def load_draft(path: Path, target: HFTarget, device: torch.device) -> AnyDraft:
     target."""
     layers = int(target.config.get_text_config().num_hidden_layers)
     arch, tensors = load_checked_draft(path, layers)
-    if isinstance(arch, DFlashArchitecture):
-        check_draft_target(path, target, arch.vocab_size, arch.target_hidden_size)
-        check_draft_taps(path, target, arch.target_layer_ids)
-        dflash = DFlashDraft(arch)
-        load_draft_weights(dflash, tensors, path)
-        dflash.to(device)
-        dflash.set_target_weights(target.input_embedding(), target.lm_head_weight())
-        return dflash.eval()
+    taps = arch.target_layer_ids if isinstance(arch, DFlashArchitecture) else arch.aux_layer_ids
     check_draft_target(path, target, arch.vocab_size, arch.target_hidden_size)
-    check_draft_taps(path, target, arch.aux_layer_ids)
+    check_draft_taps(path, target, taps)
+    if isinstance(arch, DFlashArchitecture):
+        block = DFlashDraft(arch)
+        load_draft_weights(block, tensors, path)
+        block.to(device)
+        block.set_target_weights(target.input_embedding(), target.lm_head_weight())
+        return block.eval()
     draft = Eagle3Draft(arch)
     load_draft_weights(draft, tensors, path)
     draft.load_embedding(target.input_embedding().detach().float().cpu())

@@ -45,11 +45,12 @@ def is_dflash(config: dict[str, Any]) -> bool:
     return (
         config.get("architectures") == [DFLASH_ARCHITECTURE]
         or "dflash_config" in config
-        or config.get("speculators_model_type") == "dflash"
+        or is_speculators(config)
     )
 
 
 def is_speculators(config: dict[str, Any]) -> bool:
+    """Whether a DFlash ``config.json`` is speculators' layout (``speculators_model_type``)."""
     return config.get("speculators_model_type") == "dflash"
 
 
@@ -316,7 +317,7 @@ def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list
                 f"target_hidden_size {target_hidden} is not hidden_size {hidden}: SGLang sizes "
                 "fc by hidden_size and would refuse these weights"
             )
-    wanted = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    wanted = ["hidden_norm.weight", "norm.weight"]  # fc.weight: checked above
     if isinstance(layers, int):
         wanted += [f"layers.{i}.{name}" for i in range(layers) for name in LAYER_TENSORS]
         if config.get("attention_bias"):
@@ -329,11 +330,11 @@ def check_dflash(path: str | Path, target_num_layers: int | None = None) -> list
         if extra:
             problems.append(f"weights hold layers {extra} beyond num_hidden_layers {layers}")
         # vLLM and SGLang skip a tensor whose name they do not know: it would never load
-        reported = {"embed_tokens.weight", "lm_head.weight"}  # and mask_hidden, above
+        reported = {"fc.weight", "embed_tokens.weight", "lm_head.weight"}  # and mask_hidden
         unknown = sorted(k for k in set(tensors) - set(wanted) - reported if "mask_hidden" not in k)
         if unknown:
             problems.append(f"tensors no engine loads: {', '.join(unknown[:5])}")
-    missing = [name for name in wanted if name not in tensors and name != "fc.weight"]
+    missing = [name for name in wanted if name not in tensors]
     problems += [f"no {name} in the weights" for name in missing[:5]]
     floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
     declared = config.get("torch_dtype")
