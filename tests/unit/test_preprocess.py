@@ -52,6 +52,11 @@ LONG_REPLY = " ".join(["word"] * 300)
 BAD_LINES: dict[SkipReason, tuple[bytes, str]] = {
     SkipReason.invalid_json: (b'{"messages": [', "not valid JSON"),
     SkipReason.invalid_utf8: (b'{"messages": "\xff\xfe"}', "invalid UTF-8"),
+    SkipReason.invalid_unicode: (
+        b'{"messages": [{"role": "user", "content": "cut \\ud800 off"}, '
+        b'{"role": "assistant", "content": "y"}]}',
+        "invalid Unicode (lone surrogate \\ud800)",
+    ),
     SkipReason.malformed_row: (b"[1, 2]", "expected a JSON object"),
     SkipReason.unknown_role: (
         json.dumps(

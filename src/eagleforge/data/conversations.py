@@ -24,6 +24,7 @@ so a run can stop on it (``data.on_error=raise``) or skip and count it (``skip``
 
 from __future__ import annotations
 
+import codecs
 import glob
 import importlib.util
 import json
@@ -70,6 +71,7 @@ class DataFormat(str, Enum):
 
 class SkipReason(str, Enum):
     invalid_utf8 = "invalid_utf8"
+    invalid_unicode = "invalid_unicode"  # a lone surrogate escape ("\ud800"): valid JSON, no text
     invalid_json = "invalid_json"
     malformed_row = "malformed_row"
     unknown_role = "unknown_role"
@@ -137,10 +139,42 @@ def expand_sources(patterns: list[str]) -> list[Path]:
     return sources
 
 
+# A JSON escape of a UTF-16 surrogate ("\ud800"). json.loads pairs a high one with the low one
+# after it; one left alone is a code point no tokenizer or UTF-8 writer takes.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in the strings (keys too) of a parsed JSON value, as ``\\uXXXX``."""
+    if isinstance(value, str):
+        match = _SURROGATE.search(value)
+        return f"\\u{ord(match.group()):04x}" if match else None
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, list):
+        return next((found for item in value if (found := _lone_surrogate(item))), None)
+    return None
+
+
+def _unicode_checked(row: Any, where: str) -> Any:
+    """``row``, or a RowError when one of its strings holds a lone surrogate."""
+    surrogate = _lone_surrogate(row)
+    if surrogate is None:
+        return row
+    return RowError(
+        SkipReason.invalid_unicode,
+        where,
+        f"invalid Unicode (lone surrogate {surrogate}); fix or remove the row.",
+    )
+
+
 def _jsonl_rows(path: Path) -> Iterator[RawRow]:
     with path.open("rb") as f:
         for line_number, raw in enumerate(f, start=1):
             where = f"{path}:{line_number}"
+            if line_number == 1:  # a byte-order mark, as Windows editors write: not part of the row
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -156,7 +190,7 @@ def _jsonl_rows(path: Path) -> Iterator[RawRow]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 yield (
                     where,
@@ -166,10 +200,12 @@ def _jsonl_rows(path: Path) -> Iterator[RawRow]:
                         f"not valid JSON ({e.msg}); fix or remove the line.",
                     ),
                 )
+                continue
+            yield where, _unicode_checked(row, where) if _SURROGATE_ESCAPE.search(line) else row
 
 
 def _json_rows(path: Path) -> Iterator[RawRow]:
-    data = path.read_bytes()
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -181,8 +217,10 @@ def _json_rows(path: Path) -> Iterator[RawRow]:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file.") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: a .json data file must hold a list of conversations.")
+    escapes = bool(_SURROGATE_ESCAPE.search(text))
     for index, row in enumerate(rows):
-        yield f"{path}[{index}]", row
+        where = f"{path}[{index}]"
+        yield where, _unicode_checked(row, where) if escapes else row
 
 
 def _table_rows(path: Path) -> Iterator[RawRow]:

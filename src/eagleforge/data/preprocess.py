@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from eagleforge.targets.source import VisionProcessor
 
 # Bump when rendering, tokenization or masking changes, so old cache entries are not reused.
-PIPELINE_VERSION = 4  # 4: rows with images are image_error rows in text runs
+PIPELINE_VERSION = 5  # 5: a leading BOM is read, lone surrogates are invalid_unicode rows
 CHUNK_ROWS = 256
 
 
