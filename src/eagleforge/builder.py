@@ -57,7 +57,7 @@ from eagleforge.draft.model import (
 )
 from eagleforge.draft.ttt import TTTModule, step_weights
 from eagleforge.errors import ConfigError
-from eagleforge.formats.check import check_draft
+from eagleforge.formats.check import check_draft, family_problem
 from eagleforge.formats.read import load_sglang
 from eagleforge.optim import apply_master_dtype, build_optimizer
 from eagleforge.parallel.dist import World
@@ -193,6 +193,10 @@ def resolve_packing(config: EagleForgeConfig, target: Any) -> bool:
 def init_from(draft: AnyDraft, path: Path, target_num_layers: int) -> None:
     """Fine-tune: the draft's weights and vocab map from a checkpoint or a draft exported in
     any format (by any tool), checked first."""
+    family = DraftFamily.dflash if isinstance(draft, DFlashDraft) else DraftFamily.eagle3
+    mismatch = family_problem(path, family)
+    if mismatch is not None:
+        raise ConfigError(f"model.draft_init={path}: {mismatch}.")
     problems = check_draft(path, target_num_layers)
     if problems:
         raise ConfigError(

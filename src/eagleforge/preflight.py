@@ -22,6 +22,7 @@ from eagleforge.data.conversations import DataFormat, expand_sources, source_fil
 from eagleforge.data.corpora import check_hub_source
 from eagleforge.data.sources import config_hub_source, mixture_hub_source
 from eagleforge.errors import ConfigError, DataError
+from eagleforge.formats.check import family_problem
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.targets.source import check_model_path
 from eagleforge.tracking import TrackerConfig, TrackerKind
@@ -56,6 +57,11 @@ def check_inputs(
             f"model.draft_init={config.model.draft_init}: no such directory; give a "
             "checkpoints/step_* directory or an exported draft, or unset it."
         )
+    mismatch = config.model.draft_init and family_problem(
+        config.model.draft_init, config.draft.family
+    )
+    if mismatch:
+        raise ConfigError(f"model.draft_init={config.model.draft_init}: {mismatch}.")
     if tracking:
         check_tracking_server(config.tracker)
     if config.trainer.resume not in ("auto", "never"):

@@ -114,3 +114,15 @@ def test_a_damaged_draft_from_another_tool_is_one_problem(tmp_path: Path, header
     assert "\n" not in str(refused.value) and "SafetensorError" not in str(refused.value)
     with pytest.raises(CheckpointError, match="model.safetensors: unreadable"):
         read_draft(tmp_path)
+
+
+def test_a_path_that_is_no_directory_is_named_as_such(tmp_path: Path) -> None:
+    """export --check, export and evaluate's loader on a mistyped path: "no such directory",
+    not a missing config.json; a file given for a draft: "not a directory"."""
+    missing, file = tmp_path / "nope", tmp_path / "draft.safetensors"
+    file.write_bytes(b"")
+    assert check_draft(missing) == [f"{missing}: no such directory"]
+    (problem,) = check_draft(file)
+    assert problem.startswith(f"{file}: not a directory (a draft is a directory with config.json")
+    with pytest.raises(ConfigError, match=r"nope: not a usable EAGLE-3 draft: .*no such directory"):
+        load_checked_draft(missing, 6)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagleforge.draft.dflash import DFlashArchitecture
-from eagleforge.draft.model import DraftArchitecture
+from eagleforge.draft.model import DraftArchitecture, DraftFamily
 from eagleforge.errors import ConfigError
 from eagleforge.files import checksum_problem, unreadable_reason
 from eagleforge.formats.dflash import check_dflash, is_dflash, read_dflash
@@ -43,6 +43,29 @@ def _is_dflash_dir(path: Path) -> bool:
         return False  # _inspect names the problem
 
 
+FAMILY_NAMES = {DraftFamily.eagle3: "an EAGLE-3", DraftFamily.dflash: "a DFlash"}
+
+
+def family_problem(path: str | Path, family: DraftFamily) -> str | None:
+    """What is wrong when a draft directory holds the other family's draft than ``family``
+    (its tensors would not fit, name by name): which family it is and the ``draft=`` that
+    takes it. None when it is of ``family``, or unreadable (``check_draft`` names that)."""
+    try:
+        found = (
+            DraftFamily.dflash
+            if is_dflash(json.loads((Path(path) / "config.json").read_text()))
+            else DraftFamily.eagle3
+        )
+    except (OSError, ValueError):
+        return None
+    if found == family:
+        return None
+    return (
+        f"{FAMILY_NAMES[found]} draft, this run trains draft={family.value}; use "
+        f"draft={found.value}, or give {FAMILY_NAMES[family]} draft"
+    )
+
+
 def load_checked_draft(
     path: str | Path, target_num_layers: int
 ) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
@@ -69,6 +92,17 @@ def _inspect(
     empty when unreadable."""
     problems: list[str] = []
     config_path, weights_path = path / "config.json", path / "model.safetensors"
+    if not path.is_dir():
+        return (
+            [
+                f"{path}: not a directory (a draft is a directory with config.json and "
+                "model.safetensors)"
+                if path.exists()
+                else f"{path}: no such directory"
+            ],
+            {},
+            {},
+        )
     if not config_path.is_file():
         return [f"{path}: no config.json"], {}, {}
     corrupt = checksum_problem(path)  # a training checkpoint records its files' digests
