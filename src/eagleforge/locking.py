@@ -6,8 +6,10 @@ as the ``with`` block runs, and writes who holds it (pid, host, start time, comm
 file. A second process asking for the same lock gets a ``RunLocked`` error naming the
 holder instead of writing over its files. The kernel drops the lock when its holder exits,
 however it exits (kill -9 included), so a lock file left by a dead process is stale by
-construction: the next writer simply takes it. The file itself is never removed (removing it
-while another process opens it would let two writers hold two different files).
+construction: the next writer simply takes it. The file stays, unless its holder asks
+(``remove=True``, for an output that should leave nothing beside it): it unlinks the file
+before it drops the lock, and a writer that locked a file no longer at the path locks the one
+there now, so two writers never hold two different files.
 
 ``LockRunDir`` is the Hydra callback (``hydra.callbacks.run_dir_lock`` in ``conf/config.yaml``)
 that takes the run directory's lock before Hydra writes anything into it -- its ``.hydra/``
@@ -56,9 +58,10 @@ def beside(path: Path) -> Path:
 
 
 @contextmanager
-def exclusive(lock_file: Path, *, output: Path, field: str) -> Iterator[None]:
+def exclusive(lock_file: Path, *, output: Path, field: str, remove: bool = False) -> Iterator[None]:
     """Hold ``lock_file`` while the block writes ``output``; raises ``RunLocked`` naming the
-    process that holds it, and ``field``, the setting that chooses another output."""
+    process that holds it, and ``field``, the setting that chooses another output. With
+    ``remove`` the lock file goes when the lock does."""
     key = os.path.realpath(lock_file)
     if key in _HELD:  # this process holds it already (the run directory's, by the callback)
         yield
@@ -67,27 +70,33 @@ def exclusive(lock_file: Path, *, output: Path, field: str) -> Iterator[None]:
     try:
         yield
     finally:
+        if remove:  # while still held: see acquire
+            lock_file.unlink(missing_ok=True)
         release(_HELD.pop(key))
 
 
 def acquire(lock_file: Path, *, output: Path, field: str) -> int:
     """Take the lock (see ``exclusive``); returns the open descriptor that holds it."""
     lock_file.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _describe(_read_holder(fd))
-        os.close(fd)
-        raise RunLocked(
-            f"{output} is being written by another eagleforge process ({holder}); wait for it "
-            f"to end or stop it, or choose another {field}."
-        ) from None
-    except OSError as e:  # a filesystem without flock: run unguarded rather than not at all
-        log.warning(
-            "cannot lock %s (%s): nothing stops a second writer of %s", lock_file, e, output
-        )
-        return fd
+    while True:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(_read_holder(fd))
+            os.close(fd)
+            raise RunLocked(
+                f"{output} is being written by another eagleforge process ({holder}); wait for "
+                f"it to end or stop it, or choose another {field}."
+            ) from None
+        except OSError as e:  # a filesystem without flock: run unguarded rather than not at all
+            log.warning(
+                "cannot lock %s (%s): nothing stops a second writer of %s", lock_file, e, output
+            )
+            return fd
+        if _is_at(fd, lock_file):
+            break
+        os.close(fd)  # its holder removed it (exclusive's remove) after we opened it
     os.ftruncate(fd, 0)
     record = {
         "pid": os.getpid(),
@@ -105,6 +114,16 @@ def release(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is still the file at ``path``."""
+    try:
+        at = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
-from eagleforge.preflight import check_inputs
+from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.regeneration.backends import (
     HFBackend,
     ServerBackend,
@@ -118,23 +119,42 @@ def vllm_backend(
     return VLLMBackend(cfg, client, tokenizer, stop_ids_of(tokenizer, eos), name, served, alive)
 
 
+@contextlib.contextmanager
+def made_for(directory: Path) -> Iterator[None]:
+    """``directory`` (and its missing parents) made for the block; when the block raises, the
+    ones made here that are still empty are removed again, so a refused job leaves nothing
+    behind (a directory with work in it stays, for the rerun that resumes)."""
+    made = [d for d in [directory, *directory.parents] if not d.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for made_dir in made:  # deepest first
+            with contextlib.suppress(OSError):  # not empty
+                made_dir.rmdir()
+        raise
+
+
 def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     """Regenerate ``config.data`` into ``config.regenerate.output``, resuming finished chunks."""
     if not config.regenerate.output:
         raise ConfigError("regenerate.output is not set: give the jsonl file to write.")
     output = Path(config.regenerate.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    chunks_dir = output.with_name(f"{output.name}.chunks")
     with (
-        exclusive(beside(output), output=output, field="regenerate.output"),
+        made_for(output.parent),
+        exclusive(beside(output), output=output, field="regenerate.output", remove=True),
+        made_for(chunks_dir),
         contextlib.ExitStack() as engines,
         stop_on_signals(),
     ):
-        return _run(config, output, generate, engines)
+        return _run(config, output, chunks_dir, generate, engines)
 
 
 def _run(
     config: EagleForgeConfig,
     output: Path,
+    chunks_dir: Path,
     generate: Generate | None,
     engines: contextlib.ExitStack,
 ) -> Summary:
@@ -143,8 +163,6 @@ def _run(
         raise ConfigError(
             f"regenerate.output={output} exists (a finished job); remove it or choose another file."
         )
-    chunks_dir = output.with_name(f"{output.name}.chunks")
-    chunks_dir.mkdir(parents=True, exist_ok=True)
 
     @functools.cache
     def backend() -> Generate:  # loaded only when there is work for it
@@ -243,6 +261,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     regen = config.regenerate
     local = regen.backend == Backend.hf or (regen.backend == Backend.vllm and not config.vllm.url)
     check_inputs(config, model=local, data=not regen.magpie.num_prompts)
+    check_outputs(config, {"regenerate.output": regen.output}, cache=local)
     if regen.backend == Backend.vllm and not config.vllm.url:
         engine_python(config.vllm)  # a missing engine costs a line, before any data is read
     summary = run(config)

@@ -4,6 +4,7 @@ engine's own speculative-decoding counters from its Prometheus ``/metrics``."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import urllib.error
@@ -15,8 +16,31 @@ from typing import Any
 
 from eagleforge.errors import EagleForgeError
 
+log = logging.getLogger(__name__)
+
 # the name eagleforge serves its target under (--served-model-name)
 SERVED_NAME = "target"
+
+
+def http_error_summary(error: urllib.error.HTTPError, url: str) -> str:
+    """One line for an HTTP error answer: the status, the URL and a short reason -- the
+    server's own error message when its body is OpenAI-style JSON, else the status phrase.
+    The body itself (a proxy's or web server's HTML page, often) goes to the debug log."""
+    body = error.read().decode(errors="replace")
+    log.debug("HTTP %d from %s; the response body:\n%s", error.code, url, body)
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    reason: Any = error.reason
+    if isinstance(answer, dict):
+        detail = answer.get("error", answer.get("message", answer.get("detail")))
+        if isinstance(detail, dict):
+            detail = detail.get("message")
+        reason = detail if isinstance(detail, str) and detail.strip() else reason
+    short = " ".join(str(reason or "").split())
+    short = short if len(short) <= 200 else short[:199] + "…"
+    return f"HTTP {error.code} from {url}" + (f": {short}" if short else "")
 
 
 class EngineRequestError(EagleForgeError):
@@ -116,10 +140,7 @@ class VLLMClient:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return bytes(response.read())
         except urllib.error.HTTPError as e:
-            detail = e.read()[:300].decode(errors="replace")
-            raise EngineRequestError(
-                f"HTTP {e.code} from {self._where()}/{path}: {detail}"
-            ) from None
+            raise EngineRequestError(http_error_summary(e, f"{self._where()}/{path}")) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             raise EngineRequestError(
                 f"the engine at {self._where()} did not answer /{path}: {getattr(e, 'reason', e)}"

@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagleforge.data.conversations import Conversation
-from eagleforge.engine.client import Completion, EngineRequestError, VLLMClient
+from eagleforge.engine.client import (
+    Completion,
+    EngineRequestError,
+    VLLMClient,
+    http_error_summary,
+)
 from eagleforge.engine.server import EngineError
 from eagleforge.errors import ConfigError
 from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
@@ -85,7 +90,7 @@ class ServerBackend:
             try:
                 return self._request(url, body)
             except urllib.error.HTTPError as e:
-                reason = f"HTTP {e.code} from {url}: {e.read()[:300].decode(errors='replace')}"
+                reason = http_error_summary(e, url)
                 if 400 <= e.code < 500 and e.code not in (408, 429):
                     raise RequestFailed(reason) from None  # the request itself is wrong
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
