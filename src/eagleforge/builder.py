@@ -21,20 +21,31 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from eagleforge.batch import BlockBatch
 from eagleforge.checkpoint import (
-    checksum_problem,
+    check_identity,
+    checkpoint_problem,
     explicit_checkpoint,
     load_draft_weights,
     newest_checkpoint,
     read_progress,
+    read_run_record,
+    resume_changes,
+    run_record,
 )
 from eagleforge.config import EagleForgeConfig
-from eagleforge.data.features import FeatureDataset, expected_manifest, open_store
+from eagleforge.data.features import (
+    FeatureDataset,
+    check_store_data,
+    expected_manifest,
+    open_store,
+    weight_hash,
+)
 from eagleforge.data.loader import make_loader
-from eagleforge.data.preprocess import DataReport, TokenizedDataset
+from eagleforge.data.preprocess import DataReport, TokenizedDataset, source_key
 from eagleforge.data.split import build_datasets
 from eagleforge.data.vocab import cached_vocab_map
 from eagleforge.draft.dflash import (
@@ -56,7 +67,7 @@ from eagleforge.draft.model import (
     Eagle3Draft,
 )
 from eagleforge.draft.ttt import TTTModule, step_weights
-from eagleforge.errors import ConfigError
+from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.formats.check import check_draft, family_problem
 from eagleforge.formats.read import load_sglang
 from eagleforge.optim import apply_master_dtype, build_optimizer
@@ -98,6 +109,9 @@ class Inputs:
     token_samples: Iterable[tuple[list[int], list[int]]]  # for the draft vocab map
     vocab_cache_dir: Path
     report: DataReport | None  # preprocessing counts (online)
+    # what identifies the training rows (the tokenized data's cache key and split), the same
+    # online and from a feature store of the same data (its manifest's data_key)
+    data_key: str
     processor: VisionProcessor | None = None  # loads the images of vision-language data
 
 
@@ -127,15 +141,24 @@ def online_inputs(
             f"data.is_vlm=true but the target ({model_dir}) has no vision tower; choose a "
             "vision-language model (e.g. +model=qwen2_5_vl) or set data.is_vlm=false."
         )
-    return Inputs(data.train, data.eval, target, data.train, vocab_dir, data.report, processor)
+    return Inputs(
+        data.train, data.eval, target, data.train, vocab_dir, data.report, f"{data.cache_key}/train",
+        processor,
+    )  # fmt: skip
 
 
 def offline_inputs(
-    config: EagleForgeConfig, model_dir: Path, device: torch.device, cache_dir: Path
+    config: EagleForgeConfig, model_dir: Path, tokenizer: Any, device: torch.device, cache_dir: Path
 ) -> Inputs:
-    """A feature store from eagleforge.prepare, checked against this run; the target's
-    embedding and lm_head only."""
+    """A feature store from eagleforge.prepare, checked against this run -- its data first,
+    before anything is loaded; the target's embedding and lm_head only."""
     store = Path(config.data.features or "")
+    processor = (
+        load_processor(config.model, model_dir, config.data.min_pixels, config.data.max_pixels)
+        if config.data.is_vlm
+        else None
+    )
+    check_store_data(store, source_key(config.data, tokenizer, processor), config.data.describe())
     dtype = config.model.dtype.torch_dtype(device)
     target = HeadOnlyTarget(model_dir, dtype, device, config.model.aux_layer_ids)
     expected = expected_manifest(
@@ -152,7 +175,10 @@ def offline_inputs(
         f"{store.resolve()}|{train_set.manifest.data_key}|{train_set.manifest.weight_hash}".encode()
     ).hexdigest()[:16]
     vocab_dir = Path(cache_dir) / "vocab" / f"features-{key}"
-    return Inputs(train_set, eval_set, target, train_set.token_samples(), vocab_dir, None)
+    return Inputs(
+        train_set, eval_set, target, train_set.token_samples(), vocab_dir, None,
+        train_set.manifest.data_key,
+    )  # fmt: skip
 
 
 def tau_probe(
@@ -216,13 +242,69 @@ def resume_from(resume: str, output_dir: Path) -> Path | None:
     if resume == "auto":
         return newest_checkpoint(output_dir)
     path = explicit_checkpoint(resume)
-    problem = checksum_problem(path)
+    problem = checkpoint_problem(path)
     if problem is not None:
         raise ConfigError(
-            f"trainer.resume={resume}: {problem}, so the checkpoint is corrupt; give an earlier "
+            f"trainer.resume={resume}: {problem}, so the checkpoint is damaged; give an earlier "
             "checkpoints/step_* directory, or auto to resume from the newest intact one."
         )
+    read_run_record(path)  # a newer checkpoint format is refused
     return path
+
+
+def saved_config(checkpoint: Path) -> dict[str, Any]:
+    """The flattened config a checkpoint was saved with (its config.yaml)."""
+    try:
+        saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(
+            f"{checkpoint / 'config.yaml'}: unreadable ({type(e).__name__}); delete the "
+            "checkpoint to resume from the one before, or set trainer.resume=never."
+        ) from None
+    return flatten(saved) if isinstance(saved, dict) else {}
+
+
+@dataclass
+class Resume:
+    """What a resumed run continues from, and what it changes (``resume_changes``)."""
+
+    checkpoint: Path
+    step: int
+    saved: dict[str, Any]  # the checkpoint's flattened config
+    changes: dict[str, tuple[Any, Any]]  # resumable fields that differ: {key: (saved, now)}
+
+    @classmethod
+    def check(cls, checkpoint: Path, params: dict[str, Any]) -> Resume:
+        """ConfigError, before anything heavy is loaded, where the config differs from the
+        checkpoint's in a field that defines the run."""
+        saved = saved_config(checkpoint)
+        changes = resume_changes(saved, params, checkpoint)
+        return cls(checkpoint, read_progress(checkpoint)["step"], saved, changes)
+
+    def keeps_length(self) -> bool:
+        """The run's length is the saved one (``trainer.max_num_steps`` or ``num_epochs`` is
+        not changed): a run resumed on another number of ranks keeps its schedule."""
+        return not {"trainer.max_num_steps", "trainer.num_epochs"} & self.changes.keys()
+
+    def record(self, identity: dict[str, str]) -> dict[str, Any]:
+        """The run.json of the checkpoints it saves: the changes made so far, this one's too."""
+        history = list(read_run_record(self.checkpoint).get("changes") or [])
+        if self.changes:
+            changed = {key: [old, new] for key, (old, new) in self.changes.items()}
+            history.append({"step": self.step, "changes": changed})
+        return run_record(identity, history)
+
+    def params(self, params: dict[str, Any], continued: bool) -> dict[str, Any]:
+        """The params to log: into the MLflow run it continues (``continued``) only what that
+        run lacks -- fields new to this version, and each change under
+        ``resumed_at_step_<s>.<field>`` (MLflow never changes a logged param) -- else all."""
+        changed = {f"resumed_at_step_{self.step}.{k}": new for k, (_, new) in self.changes.items()}
+        if not continued:
+            return {**params, **changed}
+        return {**{k: v for k, v in params.items() if k not in self.saved}, **changed}
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in self.changes.items())
 
 
 class TrainBatches:
@@ -403,12 +485,19 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
     # Each rank resolved Hydra's timestamped run dir itself: rank 0's is the run's.
     output_dir = Path(world.gather_objects(config.output_dir)[0])
     output_dir.mkdir(parents=True, exist_ok=True)
+    trainer_cfg = config.trainer
+    # rank 0 picks the checkpoint (ranks must agree, also on a lagging network filesystem)
+    checkpoint = world.gather_objects(resume_from(trainer_cfg.resume, output_dir))[0]
+    container = OmegaConf.to_container(cfg, resolve=True)
+    config_yaml = OmegaConf.to_yaml(container)
+    params = flatten(yaml.safe_load(config_yaml))  # as the checkpoint's config.yaml reads back
+    resume = Resume.check(checkpoint, params) if checkpoint is not None else None
 
     with world.main_first():  # rank 0 fills the caches (converted model)
         model_dir = resolve_model_dir(config.model, cache_dir)
     tokenizer = load_tokenizer(config.model, model_dir)
     if config.data.features:
-        inputs = offline_inputs(config, Path(model_dir), world.device, cache_dir)
+        inputs = offline_inputs(config, Path(model_dir), tokenizer, world.device, cache_dir)
     else:
         inputs = online_inputs(config, model_dir, tokenizer, world, cache_dir)
     log.info(
@@ -417,6 +506,9 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         len(inputs.eval or []),
         inputs.train.num_tokens(),
     )
+    identity = {"target_weights": weight_hash(Path(model_dir)), "data": inputs.data_key}
+    if resume is not None:
+        check_identity(resume.checkpoint, identity)
     draft = build_draft(config, inputs, world, tokenizer)
     sp = SequenceParallel.from_world(world)
     module = training_module(config, draft, world, sp)
@@ -428,20 +520,25 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
     )
     batches = TrainBatches(config, inputs, draft, pad_id, packing, world, sp)
 
-    trainer_cfg = config.trainer
-    # rank 0 picks the checkpoint (ranks must agree, also on a lagging network filesystem)
-    checkpoint = world.gather_objects(resume_from(trainer_cfg.resume, output_dir))[0]
     steps_per_epoch = math.ceil(len(batches.train_loader(0)) / trainer_cfg.grad_accum_steps)
-    # a resumed run keeps its own length (and so its schedule), whatever the ranks now
+    # a resumed run keeps its own length (and so its schedule), whatever the ranks now, unless
+    # the length is what changes
     max_num_steps = (
         trainer_cfg.max_num_steps
-        or (checkpoint and read_progress(checkpoint).get("max_num_steps"))
+        or (
+            resume
+            and resume.keeps_length()
+            and read_progress(resume.checkpoint).get("max_num_steps")
+        )
         or trainer_cfg.num_epochs * steps_per_epoch
     )
     optimizer, scheduler = build_optimizer(config.optimizer, module, max_num_steps)
+    if resume is not None and resume.changes:
+        log.warning(
+            "resuming %s with changed settings, in effect from step %d: %s",
+            resume.checkpoint, resume.step + 1, resume.describe(),
+        )  # fmt: skip
 
-    container = OmegaConf.to_container(cfg, resolve=True)
-    config_yaml = OmegaConf.to_yaml(container)
     run_name = default_run_name(config.model.name, config.data.name, output_dir)
     tracker = build_tracker(
         config.tracker,
@@ -451,7 +548,9 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         output_dir=output_dir,
         resume=checkpoint is not None,  # the MLflow run of the run that saved it goes on
     )
-    tracker.log_config(flatten(container), config_yaml)  # type: ignore[arg-type]
+    tracker.log_config(
+        resume.params(params, tracker.continued) if resume is not None else params, config_yaml
+    )
     if inputs.report is not None:
         tracker.log_metrics(inputs.report.metrics("data"), step=0)
 
@@ -469,5 +568,6 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         config_yaml=config_yaml,
         tau_probe=tau_probe(config, inputs.target, Path(model_dir), tokenizer, inputs, world),
         checkpoint=checkpoint,
+        run_record=resume.record(identity) if resume is not None else run_record(identity, []),
         profile=config.profile if config.profile.enabled else None,
     )

@@ -4,17 +4,26 @@ A checkpoint directory is also an SGLang draft directory (``config.json`` +
 ``model.safetensors``, see ``formats/``), plus ``training_state.pt`` (optimizer state keyed by
 parameter name, scheduler, every rank's RNG states, step, epoch and data position; plain
 tensors and containers only, loadable with ``torch.load(weights_only=True)``) and
-``config.yaml``, the resolved run config, and ``checksums.json``, the sha256 of each of those
-files. The state is whole, not sharded: a run resumes on any number of ranks. A checkpoint
-whose files do not match their checksums is corrupt (a disk or copy error after the save):
+``config.yaml``, the resolved run config, ``run.json``, the checkpoint format's version and
+the run's identity (the target's weights, the training data) with the changes made on resume,
+and ``checksums.json``, the sha256 of each of those files. The state is whole, not sharded: a
+run resumes on any number of ranks. A checkpoint that lacks one of its files or whose files do
+not match their checksums is damaged (a disk or copy error, a file deleted after the save):
 ``newest_checkpoint`` passes over it, with a warning, to the one before.
+
+What a resumed run may change is ``RESUMABLE`` (docs/training.md#resuming); ``resume_changes``
+refuses any other difference from the checkpoint's config, naming the fields, and
+``check_identity`` refuses another target or other data.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import random
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,7 @@ from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
 from eagleforge.formats.read import load_sglang
 from eagleforge.formats.write import write_sglang
+from eagleforge.optim import continue_schedule
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import (
     full_draft_state,
@@ -38,8 +48,172 @@ from eagleforge.parallel.fsdp import (
 )
 
 TRAINING_STATE = "training_state.pt"
+RUN_RECORD = "run.json"
+CHECKPOINT_FORMAT = "eagleforge-checkpoint"
+# 1: run.json (format, version, identity, changes) beside the tensors; checkpoints without it
+# were written before versioning (read as version 0: unverified identity).
+CHECKPOINT_VERSION = 1
+# Every checkpoint holds these (run.json and checksums.json since version 1).
+CHECKPOINT_FILES = ("config.json", "model.safetensors", TRAINING_STATE, "config.yaml")
+
+# The fields of the resolved config (flattened keys, or the prefix of a section) that a
+# resumed run may change: each takes effect from the step it resumes at. Paths may point
+# elsewhere because what they point to is checked by content (``check_identity``). Every other
+# field defines the run, and a difference is refused.
+RESUMABLE = (
+    # the schedule: lr at step s is always lr x warmup_cosine(s, run length) (optim.py)
+    "optimizer.lr",
+    "optimizer.warmup_ratio",
+    "optimizer.min_lr_ratio",
+    "optimizer.max_grad_norm",
+    "optimizer.muon.lr_ratio",  # the Muon group's peak lr
+    # the run's length and cadences
+    "trainer.max_num_steps",
+    "trainer.num_epochs",
+    "trainer.log_every_n_steps",
+    "trainer.eval_every_n_steps",
+    "trainer.eval_at_start",
+    "trainer.save_every_n_steps",
+    "trainer.keep_last_n",
+    "trainer.eval_tau_every_n_steps",
+    "trainer.eval_tau_prompts",
+    "trainer.progress_bar",
+    "trainer.compute_dtype",
+    "trainer.resume",
+    # where and how it runs and logs, not what it trains (the same math)
+    "draft.attention",
+    "draft.compile",
+    "draft.recompute_mlp",
+    "parallel",
+    "target",
+    "vllm",
+    "tracker",
+    "profile",
+    "eval",
+    # paths, checked by content
+    "model.path",
+    "data.path",
+    "data.eval_path",
+    "data.features",
+    "data.verify_features",
+    "data.num_proc",
+    "output_root",
+    "output_dir",
+    "cache_dir",
+    # the other commands' sections: training never reads them
+    "inspect",
+    "prepare",
+    "export",
+    "regenerate",
+)
 
 log = logging.getLogger(__name__)
+
+
+def resumable(key: str) -> bool:
+    """Whether the flattened config field ``key`` may change on resume (``RESUMABLE``)."""
+    return any(key == field or key.startswith(field + ".") for field in RESUMABLE)
+
+
+def resume_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], checkpoint: Path
+) -> dict[str, tuple[Any, Any]]:
+    """The fields (flattened config keys) in which ``current`` differs from the checkpoint's
+    ``saved`` config, as {key: (saved, current)}; all of them resumable, else ConfigError
+    naming every one that is not. A field one of the two configs lacks (added or removed by
+    another eagleforge version) is not compared."""
+    differ = {
+        key: (saved[key], value)
+        for key, value in current.items()
+        if key in saved and saved[key] != value
+    }
+    refused = [
+        f"{key}: {old!r} -> {new!r}" for key, (old, new) in differ.items() if not resumable(key)
+    ]
+    if refused:
+        raise ConfigError(
+            f"{checkpoint} was trained with other settings ({'; '.join(refused)}); a resumed run "
+            "keeps what defines it (docs/training.md#resuming): put them back, or start a new "
+            "run (another hydra.run.dir, or trainer.resume=never)."
+        )
+    return {key: change for key, change in differ.items() if resumable(key)}
+
+
+def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``run.json`` (empty for one written before versioning); CheckpointError
+    for one written by a newer, incompatible eagleforge."""
+    path = Path(checkpoint) / RUN_RECORD
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: unreadable ({type(e).__name__}: {e}); delete the checkpoint to resume "
+            "from the one before, or set trainer.resume=never."
+        ) from None
+    version = record.get("version") if isinstance(record, dict) else None
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != CHECKPOINT_FORMAT
+        or not isinstance(version, int)
+    ):
+        raise CheckpointError(
+            f"{path}: not an {CHECKPOINT_FORMAT} record; delete the checkpoint to resume from "
+            "the one before, or set trainer.resume=never."
+        )
+    if version > CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{checkpoint}: written by a newer eagleforge (checkpoint format v{version}; this "
+            f"one reads up to v{CHECKPOINT_VERSION}); resume it with that version, or set "
+            "trainer.resume=never."
+        )
+    return record
+
+
+# What each identity field is, for the message that refuses another one.
+IDENTITY_NAMES = {
+    "target_weights": "the target's weights (model.*)",
+    "data": "the training data (data.*: its rows, template, tokenizer or split)",
+}
+
+
+def check_identity(checkpoint: Path, identity: Mapping[str, str]) -> None:
+    """ConfigError unless the run's identity (``run_identity``: the target's weights, the
+    training data) is the checkpoint's. One written before versioning has none: unverified."""
+    saved = read_run_record(checkpoint).get("identity")
+    if not isinstance(saved, dict):
+        log.info(
+            "%s records no run identity (older eagleforge): target and data unverified", checkpoint
+        )
+        return
+    differ = [IDENTITY_NAMES.get(k, k) for k, v in identity.items() if k in saved and saved[k] != v]
+    if differ:
+        raise ConfigError(
+            f"{checkpoint} was trained on other inputs: {'; '.join(differ)} differ from this "
+            "run's; resume with the target and data it was trained on, or start a new run "
+            "(another hydra.run.dir, or trainer.resume=never)."
+        )
+
+
+def run_record(identity: Mapping[str, str], changes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``run.json`` of a checkpoint: format, version, the run's identity and the changes
+    made on resume ({"step": s, "changes": {key: [old, new]}}, oldest first)."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "identity": dict(identity),
+        "changes": list(changes),
+    }
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with a checkpoint directory: a file missing, or not matching its
+    checksum; None when nothing is."""
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        return f"no {', '.join(missing)}"
+    return checksum_problem(path)
 
 
 def rng_state() -> dict[str, Any]:
@@ -80,9 +254,11 @@ def save_checkpoint(
     config_yaml: str,
     world: World,
     history: dict[str, Any] | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete checkpoint at ``checkpoint_dir``; a crash mid-way leaves only a .tmp dir.
-    ``history``: the run's evaluations so far (``read_history``), which a resumed run keeps.
+    ``history``: the run's evaluations so far (``read_history``), which a resumed run keeps;
+    ``record``: its ``run.json`` (``run_record``).
 
     Every rank calls it (the sharded state is gathered); rank 0 writes. A write error stops
     every rank with the same CheckpointError.
@@ -97,7 +273,7 @@ def save_checkpoint(
         "history": dict(history or {}),
     }
     world.on_main(
-        lambda: _write(final, module.draft.arch, tensors, state, config_yaml),
+        lambda: _write(final, module.draft.arch, tensors, state, config_yaml, record),
         CheckpointError(f"{final}: rank 0 could not write the checkpoint (see its log)."),
     )
     return final
@@ -109,12 +285,15 @@ def _write(
     tensors: dict[str, torch.Tensor],
     state: dict[str, Any],
     config_yaml: str,
+    record: dict[str, Any] | None,
 ) -> None:
     try:
         with atomic_directory(final, replace=True, durable=True) as tmp:
             write_sglang(arch, tensors, tmp)
             torch.save(state, tmp / TRAINING_STATE)
             (tmp / "config.yaml").write_text(config_yaml)
+            record = record or run_record({}, [])
+            (tmp / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n")
             record_checksums(tmp)
     # disk full, quota, permissions -- safetensors and torch.save report them as their own
     # error types: keep what exists, say so
@@ -150,10 +329,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def explicit_checkpoint(resume: str) -> Path:
-    """The directory ``trainer.resume=<resume>`` names; ConfigError unless it holds a training
-    state (its checksums are checked where it is resumed from)."""
+    """The directory ``trainer.resume=<resume>`` names; ConfigError unless it is a training
+    checkpoint (its files and checksums are checked where it is resumed from)."""
     path = Path(resume)
-    if not (path / TRAINING_STATE).is_file():
+    if not path.is_dir():
+        raise ConfigError(
+            f"trainer.resume={resume}: no such directory; give a checkpoints/step_* directory, "
+            "auto or never."
+        )
+    if not (path / TRAINING_STATE).is_file() and not (path / "config.yaml").is_file():
         raise ConfigError(
             f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
             "checkpoints/step_* directory, auto or never."
@@ -161,26 +345,37 @@ def explicit_checkpoint(resume: str) -> Path:
     return path
 
 
+STEP_DIR = re.compile(r"step_\d+")
+
+
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete and intact ``checkpoints/step_*`` of a run. The hidden temporary
-    directories of an interrupted save are not complete, and are ignored; a corrupt
-    checkpoint (``checksum_problem``) is passed over with a warning. Raises CheckpointError
-    when every checkpoint is corrupt, rather than starting the run over."""
-    found = sorted((Path(output_dir) / "checkpoints").glob("step_*/" + TRAINING_STATE))
-    corrupt = []
-    for path in reversed([state.parent for state in found]):
-        if not (path / CHECKSUMS).is_file():  # saved by an older eagleforge
-            log.info("%s has no %s: loaded unverified", path, CHECKSUMS)
-        problem = checksum_problem(path)
+    directories of an interrupted save are not checkpoints, and are ignored; a damaged one
+    (``checkpoint_problem``: a file missing or not matching its checksum) is passed over with
+    a warning -- the run saves that step anew when it gets there. Raises CheckpointError when
+    every checkpoint is damaged, rather than starting the run over, and for one written by a
+    newer eagleforge, rather than going back before it."""
+    root = Path(output_dir) / "checkpoints"
+    found = sorted(p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name))
+    damaged = []
+    for path in reversed(found):
+        if (path / TRAINING_STATE).is_file() and not (path / CHECKSUMS).is_file():
+            log.info("%s has no %s (older eagleforge): loaded unverified", path, CHECKSUMS)
+        problem = checkpoint_problem(path)
         if problem is None:
+            read_run_record(path)  # a newer format stops here
             return path
-        log.warning("%s is corrupt (%s): passed over for the checkpoint before it", path, problem)
-        corrupt.append(f"{path.name}: {problem}")
-    if corrupt:
+        log.warning(
+            "%s is damaged (%s): passed over for the checkpoint before it; the run saves this "
+            "step anew when it gets there (copy it away first to keep it)",
+            path,
+            problem,
+        )
+        damaged.append(f"{path.name}: {problem}")
+    if damaged:
         raise CheckpointError(
-            f"{Path(output_dir) / 'checkpoints'}: every checkpoint is corrupt "
-            f"({'; '.join(corrupt)}); restore one from a copy, or delete them (or set "
-            "trainer.resume=never) to start over."
+            f"{root}: every checkpoint is damaged ({'; '.join(damaged)}); restore one from a "
+            "copy, or delete them (or set trainer.resume=never) to start over."
         )
     return None
 
@@ -242,7 +437,9 @@ def load_checkpoint(
     """Restore draft weights, optimizer, scheduler and RNG states on every rank; returns the
     progress (``Trainer.progress()``). Raises CheckpointError naming a bad checkpoint. The
     checksums were checked when the checkpoint was chosen (``newest_checkpoint``,
-    ``train.resume_from``). The full state loads into any number of ranks."""
+    ``train.resume_from``). The full state loads into any number of ranks. The schedule is
+    this run's (``continue_schedule``): the lr of the next step is what its config gives at
+    that step, whatever the saved run used."""
     path = Path(checkpoint_dir)
     state = _read_state(path)
     try:
@@ -256,8 +453,10 @@ def load_checkpoint(
         ) from None
     check_draft_weights(module.draft, tensors, path)
     load_draft_state(module, tensors)
+    peak_lrs = list(scheduler.base_lrs)  # this run's config: the saved ones may differ
     load_optimizer_state(module, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    continue_schedule(scheduler, peak_lrs)
     rngs = state["rng"]
     set_rng_state(rngs[world.rank] if world.rank < len(rngs) else rngs[0])
     return {k: int(v) for k, v in state["progress"].items()}

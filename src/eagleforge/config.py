@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -21,7 +21,7 @@ from eagleforge.data.config import DataConfig
 from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
 from eagleforge.draft.loss import LossConfig
-from eagleforge.draft.model import AttentionBackend, DraftConfig
+from eagleforge.draft.model import AttentionBackend, DraftConfig, DraftFamily, config_text
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.errors import ConfigError
 from eagleforge.formats.config import ExportConfig
@@ -85,6 +85,7 @@ class EagleForgeConfig:
 
     def __post_init__(self) -> None:
         """Checks that span sections (each section checks its own fields)."""
+        self._check_draft_family()
         parallel, offline = self.parallel, bool(self.data.features)
         if parallel.tp > 1 and offline:
             raise ConfigError(
@@ -118,6 +119,26 @@ class EagleForgeConfig:
             raise ConfigError(
                 "draft.attention=usp needs parallel.sp_ulysses x sp_ring > 1; set them, or "
                 "choose another draft.attention."
+            )
+
+    def _check_draft_family(self) -> None:
+        """Settings the chosen draft family never reads are refused, not recorded as if
+        applied: the other family's draft fields, and for DFlash (slot-weighted
+        cross-entropy against the target's tokens) the loss section."""
+        ignored = self.draft.fields_not_applying()
+        if self.draft.family == DraftFamily.dflash and self.loss != LossConfig():
+            default = LossConfig()
+            ignored += [
+                f"loss.{f.name}={config_text(getattr(self.loss, f.name))}"
+                for f in fields(LossConfig)
+                if getattr(self.loss, f.name) != getattr(default, f.name)
+            ]
+        if ignored:
+            family = self.draft.family.value
+            raise ConfigError(
+                f"{', '.join(ignored)}: not read by draft={family} (docs/dflash.md, "
+                f"docs/training.md); remove {'it' if len(ignored) == 1 else 'them'}, or choose "
+                "the draft family they belong to."
             )
 
     def _check_sglang(self, offline: bool) -> None:

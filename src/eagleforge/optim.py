@@ -300,3 +300,20 @@ def build_optimizer(
         optimizer, lambda step: warmup_cosine(step, total_steps, warmup_steps, cfg.min_lr_ratio)
     )
     return optimizer, scheduler
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, peak_lrs: list[Any]) -> None:
+    """After a resume loaded the saved optimizer and scheduler: the schedule is this run's.
+    The saved state keeps the step count (``last_epoch``); the peak lrs (``peak_lrs``, the
+    new run's ``base_lrs``) and the schedule's shape (its lambdas, made from this run's config
+    and length) are this run's, and each group's lr is set to the schedule's value at that
+    step -- the lr the next optimizer step uses. Without this the first step after a resume
+    would use the saved lr (0 at the end of a finished cosine)."""
+    assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)  # build_optimizer's
+    step = scheduler.last_epoch
+    scheduler.base_lrs = list(peak_lrs)
+    groups = scheduler.optimizer.param_groups
+    for group, peak, factor in zip(groups, peak_lrs, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = peak
+        group["lr"] = peak * factor(step)
+    scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports

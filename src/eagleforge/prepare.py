@@ -47,7 +47,7 @@ from eagleforge.engine.server import engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
-from eagleforge.preflight import check_inputs
+from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.targets.base import TargetBackend, release
 from eagleforge.targets.config import TargetBackendKind
 from eagleforge.targets.registry import build_target
@@ -88,7 +88,8 @@ def capture_split(
     store.mkdir(parents=True, exist_ok=True)
     if (store / "manifest.json").is_file():
         # continuing a capture: every field must agree, the dtype and shard layout included
-        Manifest.read(store).check_matches(asdict(manifest), store)
+        planned = {k: v for k, v in asdict(manifest).items() if k != "data_source"}
+        Manifest.read(store).check_matches(planned, store)
     else:
         manifest.write(store)
     per_shard = manifest.samples_per_shard
@@ -244,6 +245,7 @@ def _capture(
             num_samples=len(dataset),
             num_shards=-(-len(dataset) // cfg.samples_per_shard),
             compress=cfg.compress.value,
+            data_source=config.data.describe(),
         )
         counts = capture_split(
             out / split, dataset, manifest, target, cfg.batch_size, rank, world, processor
@@ -261,7 +263,9 @@ def _capture(
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
-    run(to_typed(cfg))
+    config = to_typed(cfg)
+    check_outputs(config, {"prepare.output_dir": config.prepare.output_dir})
+    run(config)
 
 
 def main() -> None:

@@ -91,6 +91,10 @@ class TrackerConfig:
 
 
 class Tracker(Protocol):
+    # True when it logs into the MLflow run of the training run it resumes (whose params are
+    # already logged: MLflow never changes a logged param)
+    continued: bool
+
     def log_config(self, params: Mapping[str, Any], config_yaml: str) -> None: ...
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
@@ -129,6 +133,8 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 class ConsoleTracker:
     """Logs metrics through the ``logging`` module."""
+
+    continued = False
 
     def log_config(self, params: Mapping[str, Any], config_yaml: str) -> None:
         log.debug("config:\n%s", config_yaml)
@@ -406,6 +412,7 @@ class MLflowTracker:
         active = mlflow.active_run()
         # Inside a run someone else started (a notebook, a sweep driver): log into it.
         self.owns_run = active is None
+        self.continued = False
         if active is not None:
             self.tracking_uri = mlflow.get_tracking_uri()
             self.client = _client(self.tracking_uri)
@@ -413,6 +420,7 @@ class MLflowTracker:
         else:
             self.tracking_uri = tracking_uri
             continued = self._continue_run(continue_run) if continue_run else None
+            self.continued = continued is not None
             self.run_id = continued or self._start_run(experiment, run_name, artifact_root, tags)
         self.spool = Spool(
             (spool_root or artifact_root.parent / "mlflow_spool") / self.run_id,
@@ -675,6 +683,8 @@ class MLflowTracker:
 
 class NullTracker:
     """What ranks other than 0 get: nothing is written or logged."""
+
+    continued = False
 
     def log_config(self, params: Mapping[str, Any], config_yaml: str) -> None:
         pass

@@ -269,6 +269,9 @@ class Components:
     config_yaml: str  # the resolved config, saved in every checkpoint
     tau_probe: Callable[[AnyDraft], float] | None = None  # rank 0's real-τ measurement
     checkpoint: Path | None = None  # the checkpoint to resume from
+    # every checkpoint's run.json: the run's identity and the changes made on resume
+    # (checkpoint.run_record)
+    run_record: dict[str, Any] | None = None
     profile: ProfileConfig | None = None  # profile steps of the run (profile.enabled)
 
 
@@ -366,7 +369,9 @@ class Trainer:
             )
         log.info("resumed from %s at step %d (epoch %d)", checkpoint, self.step, self.epoch)
 
-    def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float]:
+    def train_step(self, raw: list[dict[str, torch.Tensor]]) -> tuple[StepSums, float, float]:
+        """One optimizer step over the micro-batches ``raw``: the step's sums over every rank,
+        the gradient norm before clipping, and the lr the step used."""
         batches = [self.batches.make_batch(b) for b in raw]
         counts_k = torch.stack([self.module.count_positions(b) for b in batches]).sum(0)
         scale_k = self.module.loss_scales(self.world.all_reduce_sum(counts_k), self.weights_k)
@@ -382,9 +387,10 @@ class Trainer:
         max_norm = self.parts.max_grad_norm if self.parts.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # this step's (the schedule moves on)
         self.optimizer.step()
         self.scheduler.step()
-        return sums.summed_over(self.world), grad_norm
+        return sums.summed_over(self.world), grad_norm, lr
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -419,6 +425,7 @@ class Trainer:
                 "eval_by_step": self.result.eval_by_step,
                 "tau_by_step": self.result.tau_by_step,
             },
+            record=self.parts.run_record,
         )
         if name is None and self.cfg.keep_last_n is not None and self.world.is_main:
             steps = sorted(path.parent.glob("step_*"))
@@ -519,7 +526,9 @@ class Trainer:
             dynamic_ncols=True,
         )
         while self.step < self.max_num_steps:
-            sums, grad_norm = self.train_step([next(batches) for _ in range(cfg.grad_accum_steps)])
+            sums, grad_norm, lr = self.train_step(
+                [next(batches) for _ in range(cfg.grad_accum_steps)]
+            )
             self.step += 1
             if self.profiler is not None:
                 self.profiler.step()
@@ -538,7 +547,7 @@ class Trainer:
                 metrics = window.metrics("train", self.weights_k)
                 metrics.update(
                     {
-                        "train/lr": float(self.scheduler.get_last_lr()[0]),
+                        "train/lr": lr,  # the lr this step used
                         "train/grad_norm": grad_norm,
                         "train/tokens_per_s": tokens_per_s,
                         "train/peak_mem_mib": peak_memory_mib(self.device),

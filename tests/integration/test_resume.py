@@ -87,7 +87,7 @@ def test_resume_never_and_bad_checkpoints(tmp_path: Path) -> None:
     assert fresh.train_losses == first.train_losses  # started over, same seed
     assert first.checkpoint is not None
     (first.checkpoint / TRAINING_STATE).write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match=r"every checkpoint is corrupt \(step_00000002: "
+    with pytest.raises(CheckpointError, match=r"every checkpoint is damaged \(step_00000002: "
                        r"training_state.pt does not match its checksum"):  # fmt: skip
         run(compose_config(overrides(tmp_path, "run", "trainer.max_num_steps=4")))
     (first.checkpoint / CHECKSUMS).unlink()  # as saved by an older eagleforge: no checksums

@@ -138,3 +138,54 @@ def test_a_training_state_that_is_not_ours_is_named_without_torch_advice(
     assert "\n" not in message and "weights_only" not in message and "mmap" not in message
     expected = "not a torch.save archive" if content == "raw pickle" else "never unpickles"
     assert expected in message
+
+
+def test_a_checkpoint_without_its_training_state_is_passed_over_with_a_word(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = save_steps(tmp_path, 2, 4)
+    (second / "training_state.pt").unlink()
+    with caplog.at_level(logging.WARNING, logger="eagleforge"):
+        assert newest_checkpoint(tmp_path) == first
+    assert "step_00000004 is damaged (no training_state.pt)" in caplog.text
+    assert "saves this step anew" in caplog.text
+    # given explicitly, it is named as the run's own damaged checkpoint
+    with pytest.raises(ConfigError, match=r"step_00000004: no training_state.pt, so the checkpoint is damaged"):
+        resume_from(str(second), tmp_path)
+
+
+def test_weights_and_checksums_both_gone_fall_back_with_the_runs_own_advice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = save_steps(tmp_path, 2, 4)
+    (second / "model.safetensors").unlink()
+    (second / CHECKSUMS).unlink()
+    with caplog.at_level(logging.WARNING, logger="eagleforge"):
+        assert newest_checkpoint(tmp_path) == first
+    assert "step_00000004 is damaged (no model.safetensors" in caplog.text
+    with pytest.raises(ConfigError, match=r"no model.safetensors, so the checkpoint is damaged"):
+        resume_from(str(second), tmp_path)
+    (first / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"every checkpoint is damaged") as error:
+        newest_checkpoint(tmp_path)
+    assert "export" not in str(error.value)
+
+
+def test_checkpoints_carry_a_format_version_and_a_newer_one_is_refused(tmp_path: Path) -> None:
+    import json
+
+    from eagleforge.checkpoint import CHECKPOINT_VERSION, RUN_RECORD
+    from eagleforge.files import record_checksums
+
+    first, second = save_steps(tmp_path, 2, 4)
+    record = json.loads((second / RUN_RECORD).read_text())
+    assert record["format"] == "eagleforge-checkpoint"
+    assert record["version"] == CHECKPOINT_VERSION
+    record["version"] = CHECKPOINT_VERSION + 1  # written by a future eagleforge
+    (second / RUN_RECORD).write_text(json.dumps(record))
+    record_checksums(second)
+    # not passed over for step 2 (the run would go back and overwrite the newer one)
+    with pytest.raises(CheckpointError, match=r"step_00000004: written by a newer eagleforge"):
+        newest_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=r"checkpoint format v2; this one reads up to v1"):
+        resume_from(str(second), tmp_path)

@@ -141,6 +141,17 @@ class DataConfig:
                     f"unset {name}."
                 )
 
+    def describe(self) -> str:
+        """The data in a few words, as the user configured it: ``data=jsonl
+        (data.path=a.jsonl)``."""
+        where = (
+            f"data.path={self.path}" if self.path
+            else f"data.hub_id={self.hub_id}" if self.hub_id
+            else f"{len(self.mixture)} mixed corpora" if self.mixture
+            else ""
+        )  # fmt: skip
+        return f"data={self.name}" + (f" ({where})" if where else "")
+
     def sources(self) -> list[str]:
         """The files to read (none for chitchat, a hub data set or a mixture); ConfigError
         when the data needs a path and none is set (checked here, not at config time: entry

@@ -3,7 +3,8 @@
 Layout of a store directory (one per data split: ``train/``, ``eval/``)::
 
     manifest.json             what was captured: target identity and weight hash, aux layer
-                              ids, template, max length, dtypes, planned shards and samples
+                              ids, template, max length, dtypes, planned shards and samples,
+                              and the sha256 of those fields (an edited manifest is refused)
     shard_00000.safetensors   the shard's samples back to back: input_ids int32 [N],
                               loss_mask uint8 [N], aux [N, 3·Ht], final [N, Ht],
                               offsets int64 [n+1], sample_index int64 [n], and for a
@@ -15,7 +16,9 @@ Layout of a store directory (one per data split: ``train/``, ``eval/``)::
 Shards are written under a temporary name and renamed when complete, so a killed capture
 leaves whole shards only; re-running it skips them. Everything is safetensors or JSON:
 nothing is unpickled. Readers open shards with ``safe_open`` (memory-mapped) and read one
-sample's rows on demand.
+sample's rows on demand. Opening a store checks that its manifest and shards agree (shard
+count, samples per shard, the tensors' names, dtypes and widths) and names the first
+disagreement.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from eagleforge.files import save_safetensors
 log = logging.getLogger(__name__)
 
 FORMAT = "eagleforge-features"
-VERSION = 1
+# 2: the manifest carries the sha256 of its fields; version-1 manifests (none) still read
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 class Compression(str, Enum):
@@ -106,11 +111,14 @@ class Manifest:
     compress: str = Compression.none.value  # "fp8": aux/final stored as float8 + scales
     # samples carry the target's M-RoPE positions [3, T] (a vision-language target)
     mrope: bool = False
+    # the data as configured when captured (DataConfig.describe), for messages
+    data_source: str = ""
     format: str = FORMAT
     version: int = VERSION
 
     def write(self, store: Path) -> None:
-        _write_json(store / "manifest.json", asdict(self))
+        fields_ = asdict(self)
+        _write_json(store / "manifest.json", {**fields_, "sha256": _fields_digest(fields_)})
 
     @classmethod
     def read(cls, store: Path) -> Manifest:
@@ -124,12 +132,13 @@ class Manifest:
             "again and keeps the complete shards)"
         )
         data = _read_record(path, fix)
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
+        if data.get("format") != FORMAT or data.get("version") not in READABLE_VERSIONS:
             raise DataError(
                 f"{path}: not an {FORMAT} v{VERSION} manifest; capture the store again with "
                 "eagleforge.prepare into an empty prepare.output_dir, or point data.features "
                 "elsewhere."
             )
+        digest = data.pop("sha256", None)
         hints = typing.get_type_hints(cls)
         _check_fields(
             path,
@@ -138,6 +147,15 @@ class Manifest:
             {f.name: hints[f.name] for f in fields(cls) if f.default is not MISSING},
             fix,
         )
+        if digest is None and data["version"] >= 2:
+            raise DataError(f"{path}: corrupt, no sha256; {fix}.")
+        if digest is not None and digest != _fields_digest(data):
+            raise DataError(
+                f"{path}: edited after capture (its fields do not match their sha256): a store "
+                "is what eagleforge.prepare wrote; capture it again into an empty "
+                "prepare.output_dir (or delete manifest.json and re-run the same prepare "
+                "command)."
+            )
         return cls(**data)
 
     def check_matches(self, expected: Mapping[str, Any], store: Path) -> None:
@@ -152,6 +170,16 @@ class Manifest:
                 f"{store} was captured for another setup ({'; '.join(diffs)}); capture it "
                 "again with eagleforge.prepare for this run, or point data.features elsewhere."
             )
+
+
+def _fields_digest(fields_: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()
+
+
+def data_entry(data_key: str) -> str:
+    """The part of a store's ``data_key`` that identifies its rows and their tokenization
+    (``preprocess.cache_entry_name``), without the hold-out split and the split name."""
+    return data_key.split("/", 1)[0].split("-holdout", 1)[0]
 
 
 def expected_manifest(
@@ -323,6 +351,9 @@ def write_shard(
     return record
 
 
+# The safetensors names of the dtypes a store's manifest records.
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
 # Stores up to this size have every shard's sha256 checked when opened (by default).
 AUTO_VERIFY_BYTES = 4 * 2**30
 
@@ -356,10 +387,63 @@ class FeatureDataset(torch.utils.data.Dataset):
                     "re-run eagleforge.prepare to capture it again."
                 )
             try:
-                offsets = self._open(shard).get_tensor("offsets").tolist()
+                handle = self._open(shard)
+                offsets = handle.get_tensor("offsets").tolist()
             except Exception as e:  # safetensors raises its own error types on bad headers
                 raise DataError(f"{path}: unreadable shard ({e}); capture it again.") from None
+            disagreement = self._disagreement(shard, handle, len(offsets) - 1)
+            if disagreement is not None:
+                raise DataError(
+                    f"{path}: does not agree with {self.store / 'manifest.json'} ({disagreement}); "
+                    "the store was altered after capture: capture it again with eagleforge.prepare "
+                    "into an empty prepare.output_dir."
+                )
             self._index.extend((shard, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1))
+        extra = sorted(
+            p.name
+            for p in self.store.glob("shard_*.safetensors")
+            if p.stem[6:].isdigit() and int(p.stem[6:]) >= self.manifest.num_shards
+        )
+        if extra or self.manifest.num_shards != -(
+            -self.manifest.num_samples // self.manifest.samples_per_shard
+        ):
+            found = f"; {', '.join(extra[:3])} lie beyond them" if extra else ""
+            raise DataError(
+                f"{self.store / 'manifest.json'}: num_shards={self.manifest.num_shards} does not "
+                f"agree with num_samples={self.manifest.num_samples} in shards of "
+                f"{self.manifest.samples_per_shard}{found}; the store was altered after capture: "
+                "capture it again with eagleforge.prepare into an empty prepare.output_dir."
+            )
+
+    def _disagreement(self, shard: int, handle: Any, num_rows: int) -> str | None:
+        """How shard ``shard`` (its open ``handle``, holding ``num_rows`` samples) differs
+        from what the manifest says it holds; None when it agrees."""
+        m = self.manifest
+        sidecar = read_sidecar(self.store, shard)
+        planned = min(m.samples_per_shard, m.num_samples - shard * m.samples_per_shard)
+        held = sidecar["samples"] + len(sidecar["nonfinite_samples"])
+        if num_rows != sidecar["samples"] or held != planned:
+            return f"{num_rows} samples, {len(sidecar['nonfinite_samples'])} left out; the manifest plans {planned}"
+        fp8 = m.compress == Compression.fp8.value
+        expected = {"input_ids", "loss_mask", "offsets", "sample_index", "aux", "final"}
+        expected |= {"aux_scale", "final_scale"} if fp8 else set()
+        expected |= {"mrope_positions"} if m.mrope else set()
+        keys = set(handle.keys())
+        if keys != expected:
+            return (
+                f"tensors {sorted(keys ^ expected)} (compress={m.compress}, mrope={m.mrope}) differ"
+            )
+        dtype = "F8_E4M3" if fp8 else SAFETENSORS_DTYPES.get(m.dtype, m.dtype)
+        widths = {"aux": len(m.aux_layer_ids) * m.hidden_size, "final": m.hidden_size}
+        for name, width in widths.items():
+            tensor = handle.get_slice(name)
+            shape = tensor.get_shape()
+            if tensor.get_dtype() != dtype or len(shape) != 2 or shape[1] != width:
+                return (
+                    f"{name} is {tensor.get_dtype()} {shape}, the manifest says {dtype} "
+                    f"[*, {width}]"
+                )
+        return None
 
     def _open(self, shard: int) -> Any:
         if shard not in self._handles:
@@ -425,6 +509,20 @@ class FeatureDataset(torch.utils.data.Dataset):
             offsets = handle.get_tensor("offsets").tolist()
             for a, b in zip(offsets[:-1], offsets[1:], strict=True):
                 yield ids[a:b].tolist(), mask[a:b].tolist()
+
+
+def check_store_data(store: Path, source_key: str, configured: str) -> None:
+    """DataError unless the store at ``store`` was captured from the configured data: the
+    training rows and tokenization whose cache key (``preprocess.source_key``) is
+    ``source_key``, described by ``configured``. Reads the manifest only."""
+    manifest = Manifest.read(store / "train")
+    if data_entry(manifest.data_key) != source_key:
+        held = f" ({manifest.data_source})" if manifest.data_source else ""
+        raise DataError(
+            f"data.features={store} holds other data{held} than the run's {configured} (its "
+            f"rows, template, tokenizer or tokenization settings differ); give the data config "
+            "it was captured from, or capture this data with eagleforge.prepare."
+        )
 
 
 def open_store(

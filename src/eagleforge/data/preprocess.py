@@ -42,7 +42,7 @@ from eagleforge.data.conversations import (
     normalise_row,
     preformatted_text,
 )
-from eagleforge.data.corpora import Mixture
+from eagleforge.data.corpora import Mixture, RowSource
 from eagleforge.data.rendered import Rendered
 from eagleforge.data.sources import row_source
 from eagleforge.data.template import (
@@ -325,21 +325,16 @@ def _load(entry: Path) -> tuple[TokenizedDataset, DataReport]:
     return TokenizedDataset(columns["input_ids"], columns["loss_mask"]), report
 
 
-def preprocess_source(
+def _keyed_source(
     cfg: DataConfig,
     fmt: DataFormat,
     patterns: list[str],
     tokenizer: Any,
-    cache_dir: str | Path,
     limit: int | None,
-    processor: VisionProcessor | None = None,
-) -> tuple[TokenizedDataset, DataReport, Path]:
-    """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir.
-
-    ``patterns``: the files to read; none (``cfg.sources()`` for a hub data set or a mixture):
-    ``cfg``'s hub data set or mixture (``row_source``). With ``processor`` (vision-language
-    data) the cache is bypassed (see the module docstring); the entry dir is then only a name
-    for this data and settings."""
+    processor: VisionProcessor | None,
+) -> tuple[RowSource, str]:
+    """The rows ``preprocess_source`` reads and the key of their cache entry: what identifies
+    the rows, their format, the tokenizer, template and tokenization settings."""
     if cfg.is_vlm and processor is None:
         raise ConfigError(
             "data.is_vlm=true: this command does not load the target's processor (only "
@@ -366,7 +361,37 @@ def preprocess_source(
     if vision is not None:
         key_parts["vision"] = asdict(vision)
         key_parts["processor_template"] = processor.chat_template if processor else None
-    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
+    return source, hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def source_key(cfg: DataConfig, tokenizer: Any, processor: VisionProcessor | None = None) -> str:
+    """The cache key of ``cfg``'s training rows, as ``preprocess_source`` names their entry,
+    without reading or tokenizing the rows: a feature store's ``data_key`` begins with it."""
+    limit = cfg.max_num_samples
+    _, key = _keyed_source(cfg, cfg.format, cfg.sources(), tokenizer, limit, processor)
+    return key
+
+
+def preprocess_source(
+    cfg: DataConfig,
+    fmt: DataFormat,
+    patterns: list[str],
+    tokenizer: Any,
+    cache_dir: str | Path,
+    limit: int | None,
+    processor: VisionProcessor | None = None,
+) -> tuple[TokenizedDataset, DataReport, Path]:
+    """Preprocess one source (train or eval) through the content-keyed cache; also the entry dir.
+
+    ``patterns``: the files to read; none (``cfg.sources()`` for a hub data set or a mixture):
+    ``cfg``'s hub data set or mixture (``row_source``). With ``processor`` (vision-language
+    data) the cache is bypassed (see the module docstring); the entry dir is then only a name
+    for this data and settings."""
+    source, key = _keyed_source(cfg, fmt, patterns, tokenizer, limit, processor)
+    vision = None
+    if processor is not None:
+        vision = vision_settings(processor, cfg.min_pixels, cfg.max_pixels)
+        tokenizer = processor.tokenizer
     entry = Path(cache_dir) / "data" / key
     remove_stale_temps(entry.parent)  # left by writes that were killed
     if vision is None and (entry / "report.json").exists():

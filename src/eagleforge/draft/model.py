@@ -97,6 +97,32 @@ class DraftConfig:
     # llama_eagle3 always adds the raw h, so `export --check` refuses it for SGLang.
     norm_before_residual: bool = False
 
+    # The fields above only an EAGLE-3 draft reads (a DFlash draft reads family, init_std
+    # and dflash.*). Not draft_vocab_size: every model file sets it for its target, and a
+    # DFlash draft's config.json records its true vocabulary (the target's).
+    EAGLE3_ONLY = (
+        "ttt_length", "step_weight_decay", "attention", "compile",
+        "intermediate_size", "init", "recompute_mlp", "fc_norm", "norm_before_fc",
+        "norm_output", "norm_before_residual",
+    )  # fmt: skip
+
+    def fields_not_applying(self) -> list[str]:
+        """The fields set away from their defaults that the chosen family never reads, as
+        ``draft.<field>=<value>``: EAGLE-3's under family=dflash, ``draft.dflash.*`` under
+        family=eagle3."""
+        chosen: Any = self
+        default: Any = DraftConfig()
+        names: tuple[str, ...] = self.EAGLE3_ONLY
+        prefix = "draft."
+        if self.family == DraftFamily.eagle3:
+            chosen, default, prefix = self.dflash, DFlashConfig(), "draft.dflash."
+            names = tuple(f.name for f in dataclasses.fields(DFlashConfig))
+        return [
+            f"{prefix}{name}={config_text(getattr(chosen, name))}"
+            for name in names
+            if getattr(chosen, name) != getattr(default, name)
+        ]
+
     def attention_for(self, device: torch.device) -> AttentionBackend:
         """The backend to run on ``device``; ConfigError where the chosen one cannot run."""
         if self.attention == AttentionBackend.auto:
@@ -135,6 +161,11 @@ class DraftConfig:
                 "draft.compile=true does not combine with draft.attention=usp (its collectives "
                 "run outside torch.compile); set draft.compile=false."
             )
+
+
+def config_text(value: Any) -> str:
+    """A config value as typed on the command line (an Enum by its value)."""
+    return str(value.value) if isinstance(value, Enum) else str(value)
 
 
 @dataclass
