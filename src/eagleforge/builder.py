@@ -158,7 +158,13 @@ def offline_inputs(
         if config.data.is_vlm
         else None
     )
-    check_store_data(store, source_key(config.data, tokenizer, processor), config.data.describe())
+    data = config.data
+    check_store_data(
+        store,
+        source_key(data, tokenizer, processor),
+        data.describe(),
+        {"template": data.template, "max_length": data.max_length},
+    )
     dtype = config.model.dtype.torch_dtype(device)
     target = HeadOnlyTarget(model_dir, dtype, device, config.model.aux_layer_ids)
     expected = expected_manifest(

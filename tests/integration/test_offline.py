@@ -249,3 +249,70 @@ def test_bf16_compute_on_cpu_trains_close_to_fp32(tmp_path: Path, store: Path) -
     bf16 = _train(tmp_path, "bf16", f"data.features={store}", "trainer.compute_dtype=bfloat16")
     assert bf16.train_losses != fp32.train_losses
     assert bf16.train_losses == pytest.approx(fp32.train_losses, rel=2e-2)
+
+
+def test_a_store_of_other_data_is_refused_before_anything_loads(
+    tmp_path: Path, store: Path
+) -> None:
+    """data.path names one file, data.features a store captured from another: refused in one
+    line naming both, not trained on the store's conversations under data.path's name."""
+    other = tmp_path / "other.jsonl"
+    turns = [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello!"}]
+    other.write_text(json.dumps({"conversations": turns}) + "\n")
+    with pytest.raises(DataError) as error:
+        _train(tmp_path, "other-data", "data=jsonl", f"data.path={other}", f"data.features={store}")
+    message = str(error.value)
+    assert f"data.features={store} holds other data (data=chitchat)" in message
+    assert f"than the run's data=jsonl (data.path={other})" in message and "\n" not in message
+    assert not (tmp_path / "other-data" / "checkpoints").exists()
+
+
+def _edit_manifest(split: Path, *, checksum: bool, **fields: object) -> None:
+    """Change manifest fields; with ``checksum``, as a deliberate edit that also recomputes
+    the manifest's sha256 (the shards must then still contradict it)."""
+    from eagleforge.data.features import Manifest
+
+    path = split / "manifest.json"
+    data = {**json.loads(path.read_text()), **fields}
+    if checksum:
+        data.pop("sha256")
+        Manifest(**data).write(split)  # type: ignore[arg-type]
+    else:
+        path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("fields", "checksum", "said"),
+    [
+        ({"num_shards": 2}, False, r"manifest.json: edited after capture"),
+        ({"compress": "fp8"}, False, r"manifest.json: edited after capture"),
+        (
+            {"num_shards": 2},
+            True,
+            r"num_shards=2 does not agree with num_samples=23 in shards of 10; "
+            r"shard_00002.safetensors.* lie beyond them",
+        ),
+        (
+            {"num_samples": 30},
+            True,
+            r"shard_00002.safetensors: does not agree .*\(3 samples, 0 left out; the manifest "
+            r"plans 10\)",
+        ),
+        (
+            {"compress": "fp8"},
+            True,
+            r"shard_00000.safetensors: does not agree with .*manifest.json \(tensors "
+            r"\['aux_scale', 'final_scale'\] \(compress=fp8",
+        ),
+        ({"dtype": "bfloat16"}, True, r"aux is F32 \[.*\], the manifest says BF16"),
+    ],
+)
+def test_a_manifest_that_disagrees_with_its_shards_is_one_line_at_open(
+    tmp_path: Path, store: Path, fields: dict[str, object], checksum: bool, said: str
+) -> None:
+    copy = tmp_path / "features"
+    shutil.copytree(store, copy)
+    _edit_manifest(copy / "train", checksum=checksum, **fields)
+    with pytest.raises(DataError, match=said) as error:
+        FeatureDataset(copy / "train", verify_checksums=False)
+    assert "\n" not in str(error.value)

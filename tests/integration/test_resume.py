@@ -319,3 +319,62 @@ def test_a_resumed_run_goes_on_in_the_same_mlflow_run_and_keeps_its_first_eval(
     summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["initial_eval"] == first.initial_eval
     assert sorted(summary["eval_by_step"]) == ["0", "4", "6"]
+
+
+def _logged(client, run_id: str, name: str) -> dict[int, float]:  # type: ignore[no-untyped-def]
+    return {m.step: m.value for m in client.get_metric_history(run_id, name)}
+
+
+def test_a_resume_applies_what_may_change_records_it_and_refuses_the_rest(
+    tmp_path: Path,
+) -> None:
+    """The policy of docs/training.md#resuming. A finished 4-step run extended to 6 steps at
+    another lr: each step logs the lr it used, which is the config's schedule at that step
+    (the cosine stretched over the new length: no step at the old run's final lr of 0); the
+    change is logged at its step, and what is recorded is what ran. Another target, or another
+    draft, is refused before anything loads, naming the field."""
+    import math
+
+    import mlflow
+    import yaml
+
+    from eagleforge.errors import ConfigError
+    from eagleforge.optim import warmup_cosine
+
+    args = ("tracker=mlflow", "trainer.log_every_n_steps=1", "trainer.save_every_n_steps=0")
+    run(compose_config(overrides(tmp_path, "ext", *args, "trainer.max_num_steps=4")))
+    extended = run(compose_config(overrides(tmp_path, "ext", *args, "optimizer.lr=2e-3")))
+    assert extended.step == 6 and len(extended.train_losses) == 2
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (only,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert only.info.status == "FINISHED"
+    lrs = _logged(client, only.info.run_id, "train/lr")
+    for step in (1, 2, 3, 4):  # warmup_ratio 0.015 of 4 steps: no warmup step
+        assert math.isclose(lrs[step], 1e-3 * warmup_cosine(step - 1, 4, 0, 0.0), rel_tol=1e-6)
+    for step in (5, 6):
+        assert math.isclose(lrs[step], 2e-3 * warmup_cosine(step - 1, 6, 0, 0.0), rel_tol=1e-6)
+    assert lrs[5] > 0
+    params = only.data.params
+    assert params["optimizer.lr"] == "0.001"  # the start, as logged then
+    assert params["resumed_at_step_4.optimizer.lr"] == "0.002"
+    assert params["resumed_at_step_4.trainer.max_num_steps"] == "6"
+    checkpoint = tmp_path / "ext" / "checkpoints" / "step_00000006"
+    assert yaml.safe_load((checkpoint / "config.yaml").read_text())["optimizer"]["lr"] == 2e-3
+    record = json.loads((checkpoint / "run.json").read_text())
+    assert record["changes"] == [
+        {"step": 4, "changes": {"optimizer.lr": [1e-3, 2e-3], "trainer.max_num_steps": [4, 6]}}
+    ]
+    assert set(record["identity"]) == {"target_weights", "data"}
+    for refused, field in (
+        ("model.random.seed=1", r"model.random.seed: 0 -> 1"),
+        ("draft.ttt_length=2", r"draft.ttt_length: 3 -> 2"),
+        ("optimizer.weight_decay=0.1", r"optimizer.weight_decay: 0.0 -> 0.1"),
+    ):
+        with pytest.raises(ConfigError, match=rf"step_00000006 was trained with other settings \({field}\)"):  # fmt: skip
+            run(
+                compose_config(
+                    overrides(tmp_path, "ext", *args, "trainer.max_num_steps=8", refused)
+                )
+            )
+    # a refused resume changed nothing
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_00000004", "step_00000006"]

@@ -150,7 +150,9 @@ def test_a_checkpoint_without_its_training_state_is_passed_over_with_a_word(
     assert "step_00000004 is damaged (no training_state.pt)" in caplog.text
     assert "saves this step anew" in caplog.text
     # given explicitly, it is named as the run's own damaged checkpoint
-    with pytest.raises(ConfigError, match=r"step_00000004: no training_state.pt, so the checkpoint is damaged"):
+    with pytest.raises(
+        ConfigError, match=r"step_00000004: no training_state.pt, so the checkpoint is damaged"
+    ):
         resume_from(str(second), tmp_path)
 
 
@@ -189,3 +191,18 @@ def test_checkpoints_carry_a_format_version_and_a_newer_one_is_refused(tmp_path:
         newest_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match=r"checkpoint format v2; this one reads up to v1"):
         resume_from(str(second), tmp_path)
+
+
+def test_a_checkpoint_of_another_target_or_other_data_is_refused(tmp_path: Path) -> None:
+    import json
+
+    from eagleforge.checkpoint import RUN_RECORD, check_identity, run_record
+
+    (checkpoint,) = save_steps(tmp_path, 2)
+    identity = {"target_weights": "a1", "data": "k/train"}
+    (checkpoint / RUN_RECORD).write_text(json.dumps(run_record(identity, [])))
+    check_identity(checkpoint, identity)
+    with pytest.raises(ConfigError, match=r"trained on other inputs: the target's weights"):
+        check_identity(checkpoint, {**identity, "target_weights": "b2"})
+    with pytest.raises(ConfigError, match=r"trained on other inputs: the training data"):
+        check_identity(checkpoint, {**identity, "data": "other/train"})

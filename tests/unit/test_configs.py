@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,33 @@ def test_repeated_or_too_few_aux_layers_are_refused() -> None:
     to_typed(compose_config(["+model=tiny", "model.aux_layer_ids=[1,2,3,4]", "output_dir=x"]))
     with pytest.raises(ConfigError, match="an EAGLE-3 draft reads 3 target layers"):
         DraftArchitecture.from_target(tiny_target_config(), DraftConfig(), [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (
+            ["draft=dflash", "loss=lk_alpha", "draft.ttt_length=3", "draft.fc_norm=true",
+             "draft.init=logit_lens"],
+            "draft.ttt_length=3, draft.init=logit_lens, draft.fc_norm=True, loss.kind=lk_alpha: "
+            "not read by draft=dflash",
+        ),
+        (["draft=dflash", "loss.kl_decay=3"], "loss.kl_decay=3.0: not read by draft=dflash"),
+        (["draft.dflash.block_size=4"], "draft.dflash.block_size=4: not read by draft=eagle3"),
+    ],
+)  # fmt: skip
+def test_settings_the_draft_family_never_reads_are_refused(
+    overrides: list[str], named: str
+) -> None:
+    """Not trained plain cross-entropy (or EAGLE-3) while MLflow and the checkpoint record the
+    other family's settings as if applied."""
+    base = ["+model=tiny", "data=chitchat", "output_dir=/tmp/unused"]
+    with pytest.raises(ConfigError, match=re.escape(named)) as error:
+        to_typed(compose_config([*base, *overrides]))
+    assert "\n" not in str(error.value)
+
+
+def test_a_dflash_draft_takes_its_own_and_the_shared_fields() -> None:
+    base = ["+model=smollm2", "data=chitchat", "output_dir=/tmp/unused", "draft=dflash"]
+    typed = to_typed(compose_config([*base, "draft.init_std=0.01", "draft.dflash.num_layers=2"]))
+    assert typed.draft.dflash.num_layers == 2 and typed.draft.draft_vocab_size == 8192

@@ -511,11 +511,15 @@ class FeatureDataset(torch.utils.data.Dataset):
                 yield ids[a:b].tolist(), mask[a:b].tolist()
 
 
-def check_store_data(store: Path, source_key: str, configured: str) -> None:
+def check_store_data(
+    store: Path, source_key: str, configured: str, expected: Mapping[str, Any]
+) -> None:
     """DataError unless the store at ``store`` was captured from the configured data: the
     training rows and tokenization whose cache key (``preprocess.source_key``) is
-    ``source_key``, described by ``configured``. Reads the manifest only."""
+    ``source_key``, described by ``configured``, with the manifest fields ``expected`` (the
+    data's template and max length, named first). Reads the manifest only."""
     manifest = Manifest.read(store / "train")
+    manifest.check_matches(expected, store / "train")
     if data_entry(manifest.data_key) != source_key:
         held = f" ({manifest.data_source})" if manifest.data_source else ""
         raise DataError(
