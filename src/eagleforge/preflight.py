@@ -11,8 +11,6 @@ The loaders still check what they read in full (formats, manifests, checksums).
 from __future__ import annotations
 
 import os
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from eagleforge.checkpoint import explicit_checkpoint
@@ -25,7 +23,7 @@ from eagleforge.errors import ConfigError, DataError
 from eagleforge.formats.check import family_problem
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.targets.source import check_model_path
-from eagleforge.tracking import TrackerConfig, TrackerKind
+from eagleforge.tracking import TrackerConfig, TrackerKind, server_down
 
 
 def check_inputs(
@@ -98,19 +96,13 @@ def check_tracking_server(tracker: TrackerConfig, timeout_s: float = 5.0) -> Non
     cannot be created without it, so this is found now rather than after the model loaded;
     once the run exists, an outage only spools (eagleforge.tracking)."""
     uri = tracker.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
-    if tracker.kind != TrackerKind.mlflow or not uri.startswith(("http://", "https://")):
-        return
-    try:
-        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
-    except urllib.error.HTTPError:
-        return  # something answers (a proxy, an auth layer): MLflow's own errors will tell
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
+    reason = server_down(uri, timeout_s) if tracker.kind == TrackerKind.mlflow else None
+    if reason is not None:
         raise ConfigError(
             f"tracker.tracking_uri={uri}: no MLflow server answers ({reason}); start it "
             "(make mlflow-server), point tracker.tracking_uri at a running one, or log to a "
             "local store with tracker.tracking_uri=null (and MLFLOW_TRACKING_URI unset)."
-        ) from None
+        )
 
 
 def check_prompts(prompts: list[str]) -> None:

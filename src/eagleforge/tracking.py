@@ -26,6 +26,8 @@ import shutil
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -703,6 +705,20 @@ def default_tracking_uri(output_root: str | Path) -> str:
     return f"sqlite:///{Path(output_root).resolve() / 'mlflow.db'}"
 
 
+def server_down(uri: str, timeout_s: float = 5.0) -> str | None:
+    """Why the MLflow server of an http(s) tracking URI does not answer (its ``/health``);
+    None when it answers, or when ``uri`` names no server (a local store, a database)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # something answers (a proxy, an auth layer): MLflow's own errors will tell
+    except (OSError, ValueError) as e:
+        return str(getattr(e, "reason", None) or e)
+    return None
+
+
 def hydra_job_tags() -> dict[str, str]:
     """Tags that say which Hydra job a run is: ``overrides`` (the job's command-line overrides,
     as typed), ``override/<key>`` for each of them and, in a sweep (-m), ``sweep/dir`` and
@@ -824,6 +840,10 @@ def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = Tru
         if tracker is None or tracker.closed:
             tracker_cfg = OmegaConf.to_object(cfg.tracker)
             assert isinstance(tracker_cfg, TrackerConfig)
+            server = tracker_cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+            if server_down(server, timeout_s=2.0):  # MLflow's retries would only add warnings
+                log.debug("failure not recorded: no MLflow server answers at %s", server)
+                return
             output_dir = Path(_config_text(cfg, "output_dir", "run"))
             model, data = (_config_text(cfg, f"{key}.name", "unknown") for key in ("model", "data"))
             built = build_tracker(
