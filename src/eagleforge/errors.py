@@ -6,6 +6,7 @@ Entry points catch these and print them without a traceback; anything else is a 
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -28,6 +29,22 @@ class DataError(EagleForgeError, ValueError):
 
 class CheckpointError(EagleForgeError, ValueError):
     """A checkpoint is unreadable or does not fit the run; the message names its directory."""
+
+
+class Stopped(SystemExit):
+    """A stop signal (SIGTERM: SLURM's preemption, scancel, kill; SIGHUP: a closed terminal)
+    ended a command that has no step to finish (``engine.server.stop_on_signals`` raises it in
+    the main thread). On its way out every ``with`` and ``finally`` runs -- engines stop, the
+    MLflow run is ended as KILLED -- and, uncaught, it exits with 128 + the signal, as the
+    signal itself would have."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 def exit_on_user_error(main: Callable[P, R]) -> Callable[P, R]:

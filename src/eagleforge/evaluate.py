@@ -19,7 +19,8 @@ Prints a table per draft and prompt set (τ, acceptance by position, tokens/s ag
 target alone, the speedup, and whether greedy outputs equal the target's), writes
 ``summary.json`` and ``outputs.jsonl`` under the run directory, and logs everything, with
 plots, to the tracker. Several prompt sets (``eval.prompts=[mtbench,gsm8k,humaneval]``) also
-give one table and one plot across them.
+give one table and one plot across them. SIGTERM or Ctrl-C ends an evaluation in one line, its
+MLflow run marked KILLED.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import json
 import logging
 import re
 import shutil
+import signal
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -49,14 +52,14 @@ from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
 from eagleforge.draft.family import AnyDraft
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
-from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.errors import ConfigError, Stopped, exit_on_user_error
 from eagleforge.export import export
 from eagleforge.formats.check import load_checked_draft
 from eagleforge.formats.config import ExportConfig
 from eagleforge.formats.kinds import DraftFormat
 from eagleforge.formats.read import read_sglang_architecture
 from eagleforge.parallel import resolve_device
-from eagleforge.preflight import check_inputs
+from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.speculative.block_decoder import decoder_for
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import (
@@ -98,7 +101,7 @@ from eagleforge.targets.source import (
     load_tokenizer,
     resolve_model_dir,
 )
-from eagleforge.tracking import Tracker, build_tracker, flatten
+from eagleforge.tracking import Tracker, TrackerKind, build_tracker, ended_on_error, flatten
 
 log = logging.getLogger("eagleforge.evaluate")
 
@@ -195,41 +198,41 @@ def evaluate_draft(
     records: list[TurnRecord] = []
     # a CPU evaluation runs for minutes: show prompts done and the speculative tokens/s
     desc = f"evaluate {label or Path(name).name}"
-    bar = tqdm(total=len(prompts.items), desc=desc, unit="prompt")
-    new_tokens, seconds = 0, 0.0
-    for index, item in enumerate(prompts.items):
-        messages: list[dict[str, Any]] = list(item.context)
-        for turn in range(len(item.turns)):
-            messages.append(item.message(turn))
-            prompt_ids, images = renderer(messages, f"{item.where} (turn {turn})")
-            seed = config.seed * 100_003 + index * 101 + turn
-            generator = torch.Generator(device).manual_seed(seed)
-            speculative = decoder.generate(prompt_ids, generator, images)
-            key = (prompts.name, item.id, tuple(prompt_ids))
-            baseline: DecodeResult | None
-            reference: DecodeResult | None
-            if baselines is not None and key in baselines:
-                baseline, reference = baselines[key]
-            elif cfg.baseline:
+    # closed however decoding ends: a stopped evaluation's last line is its own message
+    with tqdm(total=len(prompts.items), desc=desc, unit="prompt") as bar:
+        new_tokens, seconds = 0, 0.0
+        for index, item in enumerate(prompts.items):
+            messages: list[dict[str, Any]] = list(item.context)
+            for turn in range(len(item.turns)):
+                messages.append(item.message(turn))
+                prompt_ids, images = renderer(messages, f"{item.where} (turn {turn})")
+                seed = config.seed * 100_003 + index * 101 + turn
                 generator = torch.Generator(device).manual_seed(seed)
-                baseline = decoder.generate_target_only(prompt_ids, generator, images)
-                reference = None
-                if cfg.hf_generate and images is None:
-                    reference = decoder.generate_hf(prompt_ids)
-                if baselines is not None:
-                    baselines[key] = baseline, reference
-            else:
-                baseline = reference = None
-            records.append(
-                TurnRecord(item.id, turn, len(prompt_ids), speculative, baseline, reference)
-            )
-            answer = tokenizer.decode(speculative.output_ids, skip_special_tokens=True)
-            messages.append({"role": "assistant", "content": answer})
-            new_tokens += len(speculative.output_ids)
-            seconds += speculative.seconds
-        bar.set_postfix(tok_s=f"{new_tokens / max(seconds, 1e-9):.1f}", refresh=False)
-        bar.update()
-    bar.close()
+                speculative = decoder.generate(prompt_ids, generator, images)
+                key = (prompts.name, item.id, tuple(prompt_ids))
+                baseline: DecodeResult | None
+                reference: DecodeResult | None
+                if baselines is not None and key in baselines:
+                    baseline, reference = baselines[key]
+                elif cfg.baseline:
+                    generator = torch.Generator(device).manual_seed(seed)
+                    baseline = decoder.generate_target_only(prompt_ids, generator, images)
+                    reference = None
+                    if cfg.hf_generate and images is None:
+                        reference = decoder.generate_hf(prompt_ids)
+                    if baselines is not None:
+                        baselines[key] = baseline, reference
+                else:
+                    baseline = reference = None
+                records.append(
+                    TurnRecord(item.id, turn, len(prompt_ids), speculative, baseline, reference)
+                )
+                answer = tokenizer.decode(speculative.output_ids, skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": answer})
+                new_tokens += len(speculative.output_ids)
+                seconds += speculative.seconds
+            bar.set_postfix(tok_s=f"{new_tokens / max(seconds, 1e-9):.1f}", refresh=False)
+            bar.update()
     greedy = cfg.temperature == 0
     settings = decoder.settings
     summary = summarise(
@@ -441,6 +444,7 @@ def run(cfg: DictConfig) -> list[Summary]:
     torch.manual_seed(config.seed)
     drafts = draft_dirs(config.eval.draft)
     check_inputs(config, data=False, prompts=True, tracking=True)
+    check_outputs(config, {"output_dir": config.output_dir}, output_root=True, tracking=True)
     ecfg = config.eval
     engines = ecfg.engines()
     settings = ecfg.decode_settings()
@@ -483,54 +487,81 @@ def run(cfg: DictConfig) -> list[Summary]:
         run_name=f"eval-{output_dir.name}",
         output_dir=output_dir,
     )
-    container = OmegaConf.to_container(cfg, resolve=True)
-    tracker.log_config(flatten(container), OmegaConf.to_yaml(cfg))  # type: ignore[arg-type]
-    summaries: list[Summary] = []
-    tau_by_step: dict[str, list[tuple[int, float]]] = {}
-    sweep = len(settings) > 1
-    if "hf" in engines:
-        target = build_hf_target(config.model, config.target, model_dir, device, aux_layer_ids=taps)
-        eos = eos_ids(renderer.tokenizer, target)
-        # greedy decoding by the target alone is the same for every setting: decoded once
-        baselines: Baselines | None = {} if ecfg.temperature == 0 else None
-        for step, path in drafts:
-            draft = load_draft(path, target, device)
-            for setting in settings:
-                decoder = decoder_for(target, draft, setting, eos)
-                for summary in evaluate_sets(
-                    config, decoder, renderer, path, step, sets, device, tracker, baselines, sweep
-                ):
-                    series = (
-                        f"{summary.prompt_set} {summary.setting}" if sweep else summary.prompt_set
-                    )
-                    tau_by_step.setdefault(series, []).append((step, summary.tau))
-                    summaries.append(summary)
-        del target, draft  # the HF target's memory is free before the vLLM engines start
-    else:
-        # the same ids eos_ids reads from a loaded model, from its generation_config.json
-        generated = generation_eos_ids(model_dir, config.model.revision)
-        eos = answer_end_ids(renderer.tokenizer, generated)
-    if "vllm" in engines:
-        summaries += evaluate_with_vllm(
-            config, drafts, engine_settings, sets, renderer, eos, model_dir, tracker
-        )
-    eval_dir = output_dir / "eval"
-    if len(drafts) > 1 and "hf" in engines:
-        tracker.log_artifact(plot_tau_by_step(tau_by_step, eval_dir / "tau_by_step.png"))
-    if len(sets) > 1 or sweep or len(engines) > 1:
-        # one row per draft, set and setting, the engines of each side by side
-        order = {name: i for i, name in enumerate(engines)}
-        summaries.sort(key=lambda s: (s.draft, s.prompt_set, s.setting, order[s.engine]))
-        report_sets(summaries, eval_dir, tracker)
-    tracker.close()
+    with ended_on_error(tracker):  # Ctrl-C, SIGTERM, a failure: the run is not left RUNNING
+        container = OmegaConf.to_container(cfg, resolve=True)
+        tracker.log_config(flatten(container), OmegaConf.to_yaml(cfg))  # type: ignore[arg-type]
+        summaries: list[Summary] = []
+        tau_by_step: dict[str, list[tuple[int, float]]] = {}
+        sweep = len(settings) > 1
+        if "hf" in engines:
+            target = build_hf_target(
+                config.model, config.target, model_dir, device, aux_layer_ids=taps
+            )
+            eos = eos_ids(renderer.tokenizer, target)
+            # greedy decoding by the target alone is the same for every setting: decoded once
+            baselines: Baselines | None = {} if ecfg.temperature == 0 else None
+            for step, path in drafts:
+                draft = load_draft(path, target, device)
+                for setting in settings:
+                    decoder = decoder_for(target, draft, setting, eos)
+                    for summary in evaluate_sets(
+                        config, decoder, renderer, path, step, sets, device, tracker, baselines,
+                        sweep,
+                    ):  # fmt: skip
+                        series = summary.prompt_set
+                        if sweep:
+                            series += f" {summary.setting}"
+                        tau_by_step.setdefault(series, []).append((step, summary.tau))
+                        summaries.append(summary)
+            del target, draft  # the HF target's memory is free before the vLLM engines start
+        else:
+            # the same ids eos_ids reads from a loaded model, from its generation_config.json
+            generated = generation_eos_ids(model_dir, config.model.revision)
+            eos = answer_end_ids(renderer.tokenizer, generated)
+        if "vllm" in engines:
+            summaries += evaluate_with_vllm(
+                config, drafts, engine_settings, sets, renderer, eos, model_dir, tracker
+            )
+        eval_dir = output_dir / "eval"
+        if len(drafts) > 1 and "hf" in engines:
+            tracker.log_artifact(plot_tau_by_step(tau_by_step, eval_dir / "tau_by_step.png"))
+        if len(sets) > 1 or sweep or len(engines) > 1:
+            # one row per draft, set and setting, the engines of each side by side
+            order = {name: i for i, name in enumerate(engines)}
+            summaries.sort(key=lambda s: (s.draft, s.prompt_set, s.setting, order[s.engine]))
+            report_sets(summaries, eval_dir, tracker)
+        tracker.close()
     log.info("evaluation written to %s", eval_dir)
     return summaries
+
+
+def stopped_line(cfg: DictConfig, how: str) -> str:
+    """What a stopped evaluation prints: that it did not finish, where its MLflow run and its
+    finished results are, and what to run to go on (evaluate does not resume: it starts over)."""
+    kind = OmegaConf.select(cfg, "tracker.kind", default=None)
+    mlflow = getattr(kind, "value", kind) == TrackerKind.mlflow.value
+    marked = "; its MLflow run is marked KILLED" if mlflow else ""
+    return (
+        f"{how}: the evaluation stopped before its end{marked}, and what it finished is in "
+        f"{OmegaConf.select(cfg, 'output_dir', default='its run directory')}/eval; run the same "
+        "command again to evaluate from the start."
+    )
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
-    run(cfg)
+    """One evaluation; SIGTERM (SLURM's preemption, scancel) or Ctrl-C ends it in one line,
+    its MLflow run marked KILLED, with status 128 + the signal."""
+    try:
+        with stop_on_signals():
+            run(cfg)
+    except Stopped as stop:
+        print(stopped_line(cfg, f"stopped by {stop.signal_name}"), file=sys.stderr, flush=True)
+        raise
+    except KeyboardInterrupt:
+        print(stopped_line(cfg, "interrupted (Ctrl-C)"), file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
 
 
 def main() -> None:

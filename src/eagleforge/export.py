@@ -27,6 +27,7 @@ from eagleforge.atomic import atomic_directory
 from eagleforge.config import check_cli_overrides, conf_dir, register_configs, resolve_cache_dir
 from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.files import unwritable_reason
 from eagleforge.formats.check import check_draft
 from eagleforge.formats.config import ExportConfig, ExportDType
 from eagleforge.formats.kinds import DraftFormat
@@ -126,6 +127,13 @@ def export(cfg: ExportConfig) -> Path:
     out = Path(cfg.output_dir or f"{source}-{cfg.format.value}")
     if out.exists():
         raise ConfigError(f"export.output_dir={out} exists; remove it or choose another directory.")
+    reason = unwritable_reason(out)
+    if reason:
+        where = f"export.output_dir={out}" if cfg.output_dir else f"{out} (beside the draft)"
+        raise ConfigError(
+            f"{where}: cannot write there ({reason}); set export.output_dir to a writable "
+            "directory."
+        )
     verifier = _verifier(cfg, source) if cfg.format == DraftFormat.speculators else None
     with atomic_directory(out) as tmp:
         write_draft(arch, tensors, tmp, cfg.format, verifier, cfg.speculative_tokens)

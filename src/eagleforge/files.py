@@ -1,5 +1,6 @@
 """Files written the way the rest of a run's files are: safetensors files that follow the
-umask, and streamed sha256 digests (``checksums.json``, checked before weights are used).
+umask, and streamed sha256 digests (``checksums.json``, checked before weights are used); and
+whether a place can be written at all (``unwritable_reason``, asked before any work).
 
 Every safetensors writer of eagleforge (checkpoints, exported drafts, feature shards, the
 vocab-map cache) goes through ``save_safetensors``: safetensors >= 0.8 writes through a
@@ -88,6 +89,28 @@ def checksum_problem(directory: str | Path) -> str | None:
         if sha256_file(path / name) != digest:
             return f"{name} does not match its checksum in {CHECKSUMS}"
     return None
+
+
+def unwritable_reason(path: str | Path) -> str | None:
+    """Why this process cannot write at ``path`` -- the file or directory itself where it
+    exists, else the nearest directory above it, in which it would be made -- in a few words;
+    None when it can. Only looks: creates nothing. (As root, only a read-only file system or
+    a file in the way stops a write, and only those are found.)"""
+    place = Path(os.path.abspath(path))
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if place != Path(os.path.abspath(path)) and not place.is_dir():
+        return f"{place} is a file, not a directory"
+    mode = os.W_OK | (os.X_OK if place.is_dir() else 0)
+    if os.access(place, mode):
+        return None
+    try:
+        read_only = bool(os.statvfs(place).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return f"{place} is on a read-only file system"
+    return f"{place} is read-only to this user"
 
 
 def unreadable_reason(error: BaseException) -> str:

@@ -27,13 +27,14 @@ from eagleforge.data.inspection import (
 )
 from eagleforge.data.preprocess import preprocess_source
 from eagleforge.errors import exit_on_user_error
-from eagleforge.preflight import check_inputs
+from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.targets.source import load_tokenizer, resolve_model_dir
 
 
 def inspect(cfg: DictConfig) -> None:
     config = to_typed(cfg)
     check_inputs(config, need_weights=False)
+    check_outputs(config)  # the cache: the tokenized data is kept there
     cache_dir = config.resolved_cache_dir()
     tokenizer = load_tokenizer(config.model, resolve_model_dir(config.model, cache_dir))
     data = config.data

@@ -13,7 +13,9 @@ there now, so two writers never hold two different files.
 
 ``LockRunDir`` is the Hydra callback (``hydra.callbacks.run_dir_lock`` in ``conf/config.yaml``)
 that takes the run directory's lock before Hydra writes anything into it -- its ``.hydra/``
-copy of the config and its log file -- and holds it for the whole run or sweep.
+copy of the config and its log file -- and holds it for the whole run or sweep. A run
+directory that cannot be written (read-only, under a file) ends the command there in one line
+naming the setting to change, where Hydra would fail configuring its log file.
 
 Locks are advisory and local to what the filesystem's ``flock`` covers: every local
 filesystem and NFS (emulated with POSIX locks); Lustre only where mounted with ``-o flock``.
@@ -37,6 +39,7 @@ from hydra.experimental.callback import Callback
 
 from eagleforge.atomic import this_host
 from eagleforge.errors import EagleForgeError
+from eagleforge.files import unwritable_reason
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,13 @@ class LockRunDir(Callback):
         self._drop()
 
     def _take(self, config: Any, directory: str, field: str) -> None:
-        if config.hydra.output_subdir is None or int(os.environ.get("RANK", "0")) != 0:
+        if config.hydra.output_subdir is None:
+            return
+        problem = run_dir_problem(config, directory, field)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if int(os.environ.get("RANK", "0")) != 0:
             return
         output = Path(directory)
         self._key = os.path.realpath(output / RUN_DIR_LOCK)
@@ -183,3 +192,22 @@ class LockRunDir(Callback):
     def _drop(self) -> None:
         if self._key in _HELD:
             release(_HELD.pop(self._key))
+
+
+def run_dir_problem(config: Any, directory: str, field: str) -> str | None:
+    """Why the run (or sweep) directory ``directory`` cannot be written, naming the setting
+    that chose it: ``field`` (hydra.run.dir, hydra.sweep.dir) where the command line gives
+    it, else output_root, under which the default lies; None when it can be written."""
+    reason = unwritable_reason(directory)
+    if reason is None:
+        return None
+    given = [str(o).split("=", 1)[0].lstrip("+~") for o in config.hydra.overrides.hydra]
+    root = str(config.output_root)
+    if field in given or not Path(directory).is_relative_to(root):
+        setting, fix = f"{field}={directory}", f"set {field} to a writable directory"
+    else:
+        cwd = "" if Path(root).is_absolute() else f" (in the working directory {Path.cwd()})"
+        setting = f"output_root={root}{cwd}"
+        fix = f"set output_root (or {field}) to a writable directory"
+    what = "sweep directory" if field == "hydra.sweep.dir" else "run directory"
+    return f"{setting}: cannot write the {what} {directory} ({reason}); {fix}."

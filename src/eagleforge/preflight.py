@@ -6,24 +6,37 @@ entry point calls ``check_inputs`` right after typing its config; everything her
 system lookup (plus a look into the local Hugging Face cache for a hub id or a named
 benchmark while offline).
 The loaders still check what they read in full (formats, manifests, checksums).
+
+Every place a command writes is checked the same way (``check_outputs``), so that a read-only
+directory or a file in the way costs one line naming the setting to change, not a traceback
+after the model loaded. The run directory itself is checked earlier still, before Hydra
+writes into it (``eagleforge.locking.LockRunDir``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from eagleforge.checkpoint import explicit_checkpoint
-from eagleforge.config import EagleForgeConfig
+from eagleforge.config import EagleForgeConfig, resolve_cache_dir
 from eagleforge.data.config import DataConfig
 from eagleforge.data.conversations import DataFormat, expand_sources, source_files
 from eagleforge.data.corpora import check_hub_source
 from eagleforge.data.sources import config_hub_source, mixture_hub_source
 from eagleforge.errors import ConfigError, DataError
+from eagleforge.files import unwritable_reason
 from eagleforge.formats.check import family_problem
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.targets.source import check_model_path
-from eagleforge.tracking import TrackerConfig, TrackerKind, server_down
+from eagleforge.tracking import (
+    TrackerConfig,
+    TrackerKind,
+    resolve_tracking_uri,
+    server_down,
+    store_paths,
+)
 
 
 def check_inputs(
@@ -64,6 +77,81 @@ def check_inputs(
         check_tracking_server(config.tracker)
     if config.trainer.resume not in ("auto", "never"):
         explicit_checkpoint(config.trainer.resume)
+
+
+def check_outputs(
+    config: EagleForgeConfig,
+    outputs: Mapping[str, str | None] | None = None,
+    *,
+    output_root: bool = False,
+    tracking: bool = False,
+    cache: bool = True,
+) -> None:
+    """ConfigError naming the setting to change for the first place this command would write
+    but cannot (a read-only directory, a file in the way): ``outputs`` (setting -> path: the
+    command's own, e.g. ``{"prepare.output_dir": ...}``; None is skipped), ``output_root``
+    (the runs and the default MLflow store), the MLflow store (``tracking``: a local one) and
+    the cache (``cache``: converted models, tokenized data)."""
+    for setting, path in (outputs or {}).items():
+        if path:
+            where = f"{setting}={path}{_relative_note(path)}"
+            _check_writable(path, where, f"choose another {setting}")
+    if output_root:
+        _check_writable(
+            config.output_root,
+            f"output_root={config.output_root}{_relative_note(config.output_root)}",
+            "set output_root to a writable directory",
+        )
+    if tracking:
+        check_tracking_store(config.tracker, config.output_root)
+    if cache:
+        check_cache_dir(config.cache_dir)
+
+
+def _check_writable(path: str | Path, setting: str, fix: str) -> None:
+    reason = unwritable_reason(path)
+    if reason:
+        raise ConfigError(f"{setting}: cannot write there ({reason}); {fix}.")
+
+
+def _relative_note(path: str | Path) -> str:
+    """Where a relative path lands: in the working directory, which may be read-only."""
+    return "" if Path(path).is_absolute() else f" (in the working directory {Path.cwd()})"
+
+
+def check_cache_dir(cache_dir: str | None) -> None:
+    """The cache (converted models, tokenized data, vocab maps) can be written: ``cache_dir``,
+    else $EAGLEFORGE_CACHE_DIR, else ~/.cache/eagleforge -- whose setting is named."""
+    path = resolve_cache_dir(cache_dir)
+    if cache_dir:
+        setting = f"cache_dir={cache_dir}{_relative_note(path)}"
+    elif os.environ.get("EAGLEFORGE_CACHE_DIR"):
+        setting = f"EAGLEFORGE_CACHE_DIR={path}{_relative_note(path)}"
+    else:
+        setting = f"the cache {path} (in $HOME; EAGLEFORGE_CACHE_DIR unset)"
+    _check_writable(
+        path, setting, "set EAGLEFORGE_CACHE_DIR (or cache_dir=DIR) to a writable directory"
+    )
+
+
+def check_tracking_store(tracker: TrackerConfig, output_root: str) -> None:
+    """A local MLflow store (a sqlite file, or a directory of runs) can be written; the
+    setting that chose it is named: tracker.tracking_uri, $MLFLOW_TRACKING_URI, or
+    output_root for the default store. A server is asked by check_tracking_server."""
+    if tracker.kind != TrackerKind.mlflow:
+        return
+    uri = resolve_tracking_uri(tracker, output_root)
+    elsewhere = "at a writable place (e.g. sqlite:////DIR/mlflow.db)"
+    if tracker.tracking_uri:
+        setting, fix = f"tracker.tracking_uri={uri}", f"point tracker.tracking_uri {elsewhere}"
+    elif os.environ.get("MLFLOW_TRACKING_URI"):
+        setting = f"MLFLOW_TRACKING_URI={uri}"
+        fix = f"point MLFLOW_TRACKING_URI (or tracker.tracking_uri) {elsewhere}"
+    else:
+        setting = f"output_root={output_root} (its MLflow store {uri})"
+        fix = f"set output_root to a writable directory, or point tracker.tracking_uri {elsewhere}"
+    for place in store_paths(uri):
+        _check_writable(place, setting, fix)
 
 
 def check_data_source(data: DataConfig) -> None:

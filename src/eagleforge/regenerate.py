@@ -41,7 +41,7 @@ from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
-from eagleforge.preflight import check_inputs
+from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.regeneration.backends import (
     HFBackend,
     ServerBackend,
@@ -261,6 +261,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     regen = config.regenerate
     local = regen.backend == Backend.hf or (regen.backend == Backend.vllm and not config.vllm.url)
     check_inputs(config, model=local, data=not regen.magpie.num_prompts)
+    check_outputs(config, {"regenerate.output": regen.output}, cache=local)
     if regen.backend == Backend.vllm and not config.vllm.url:
         engine_python(config.vllm)  # a missing engine costs a line, before any data is read
     summary = run(config)

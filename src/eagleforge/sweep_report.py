@@ -1,16 +1,20 @@
 """A Hydra sweep of `eagleforge.train -m` as one table and one figure: each job's swept
-settings, its final eval (loss, acc_i, τ_sim), its real τ and its learning curve.
+settings, its state, its final eval (loss, acc_i, τ_sim), its real τ and its learning curve.
 
     python -m eagleforge.sweep_report outputs/multirun/2026-12-02_19-00-00 --plot curves.png
 
 Prints a Markdown table (the docs' sweep tables are these) and, with ``--json``, one JSON
-line per job. Jobs still running or killed before their summary are listed as such.
+line per job. Every job of the sweep is listed -- those it never started too (read from its
+``multirun.yaml``) -- named by the settings that differ between jobs, with its state: done,
+stopped by a signal at step N of M, running, failed or killed, or not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,16 +22,55 @@ from typing import Any
 
 import yaml
 
+from eagleforge.locking import RUN_DIR_LOCK
+
 
 @dataclass
 class Job:
     """One job directory of a multirun: what it set and what it measured."""
 
-    path: Path
+    path: Path  # its directory; one the sweep never started has none yet
     overrides: list[str]
     summary: dict[str, Any] | None  # summary.json; None while running or after a kill
     label: str = ""
     swept: dict[str, str] = field(default_factory=dict)
+    started: bool = True  # False: the sweep stopped before this job began
+
+    @property
+    def max_num_steps(self) -> int | None:
+        """The steps the job was to train: its summary's, else its config's (null there when
+        it trains by epochs)."""
+        recorded = (self.summary or {}).get("max_num_steps")
+        if recorded is not None:
+            return int(recorded)
+        config = self.path / ".hydra" / "config.yaml"
+        if not config.is_file():
+            return None
+        trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+        steps = trainer.get("max_num_steps")
+        return steps if isinstance(steps, int) else None
+
+    @property
+    def state(self) -> str:
+        """done, stopped by SIGTERM at step 8 of 351, running, failed or killed, not run."""
+        if not self.started:
+            return "not run"
+        if _running(self.path):  # a resumed job too, whose summary is its stop's
+            return "running"
+        total = self.max_num_steps
+        of = f" of {total}" if total is not None else ""
+        if self.summary is not None:
+            step, stopped_by = self.summary.get("step"), self.summary.get("stopped_by")
+            if stopped_by:
+                return f"stopped by {stopped_by} at step {step}{of}"
+            if total is not None and step is not None and step < total:
+                return f"stopped at step {step}{of}"  # a summary from before stopped_by
+            return "done"
+        steps = [
+            int(p.name[5:]) for p in self.path.glob("checkpoints/step_*") if p.name[5:].isdigit()
+        ]
+        saved = f"last checkpoint at step {max(steps)}{of}" if steps else "no checkpoint"
+        return f"failed or killed ({saved}; see its train.log)"
 
     @property
     def final_eval(self) -> dict[str, float]:
@@ -49,18 +92,66 @@ class Job:
         )
 
 
+def _running(job_dir: Path) -> bool:
+    """A live process holds the job's run-directory lock (eagleforge.locking)."""
+    try:
+        fd = os.open(job_dir / RUN_DIR_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a filesystem without flock: nothing to tell
+    finally:
+        os.close(fd)  # drops the lock, if taken
+    return False
+
+
+def planned_jobs(sweep_dir: Path) -> list[list[str]] | None:
+    """The overrides of every job the sweep was to run, in job order, as Hydra's basic sweeper
+    expands the command line (``a=1,2 b=x,y``: four jobs) recorded in ``multirun.yaml``; None
+    when there is none, or another sweeper chose the jobs."""
+    path = sweep_dir / "multirun.yaml"
+    if not path.is_file():
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    hydra_cfg = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
+    sweeper = hydra_cfg.get("sweeper") or {}
+    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return None
+    params = sweeper.get("params") or {}
+    task = (hydra_cfg.get("overrides") or {}).get("task") or []
+    arguments = [f"{k}={v}" for k, v in params.items()] + [str(t) for t in task]
+    try:
+        batches = BasicSweeper.split_arguments(
+            OverridesParser.create().parse_overrides(arguments), None
+        )
+    except Exception:  # a sweep of config files (glob) needs Hydra's config loader
+        return None
+    return [list(job) for batch in batches for job in batch]
+
+
 def read_jobs(sweep_dir: Path) -> list[Job]:
-    """The jobs of a multirun directory in job order, each labelled by the settings that
-    differ between jobs."""
+    """The jobs of a multirun directory in job order -- those the sweep never started too --
+    each labelled by the settings that differ between jobs."""
     jobs = []
     for path in sorted(
         (p for p in sweep_dir.iterdir() if (p / ".hydra" / "overrides.yaml").is_file()),
-        key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name),
+        key=_job_order,
     ):
         overrides = yaml.safe_load((path / ".hydra" / "overrides.yaml").read_text()) or []
         summary_path = path / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
         jobs.append(Job(path, [str(o) for o in overrides], summary))
+    seen = {tuple(job.overrides) for job in jobs}
+    for number, planned in enumerate(planned_jobs(sweep_dir) or []):
+        if tuple(planned) not in seen:
+            jobs.append(Job(sweep_dir / str(number), planned, None, started=False))
+    jobs.sort(key=lambda job: _job_order(job.path))
     if not jobs:
         raise SystemExit(
             f"{sweep_dir}: no job directories (with .hydra/overrides.yaml); give the directory "
@@ -73,6 +164,11 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
         job.swept = {k: setting.get(k, "(default)") for k in varying}
         job.label = " ".join(f"{k}={v}" for k, v in job.swept.items()) or job.path.name
     return jobs
+
+
+def _job_order(path: Path) -> tuple[bool, int, str]:
+    """Job directories by job number (10 after 9), others after them by name."""
+    return (not path.name.isdigit(), int(path.name) if path.name.isdigit() else 0, path.name)
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -92,8 +188,11 @@ def rows(jobs: list[Job]) -> list[dict[str, Any]]:
             {
                 "job": job.path.name,
                 "settings": job.swept,
-                "done": job.summary is not None,
+                "overrides": job.overrides,
+                "state": job.state,
+                "done": job.state == "done",
                 "step": (job.summary or {}).get("step"),
+                "max_num_steps": job.max_num_steps,
                 "eval_loss": final.get("eval/loss"),
                 "eval_acc": [v for _, v in accs],
                 "eval_tau_sim": final.get("eval/tau_sim"),
@@ -107,13 +206,13 @@ def rows(jobs: list[Job]) -> list[dict[str, Any]]:
 
 def markdown(table: list[dict[str, Any]]) -> str:
     lines = [
-        "| run | steps | eval loss | eval acc_i | eval τ_sim by eval | eval τ_sim | real τ (last / best) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | state | steps | eval loss | eval acc_i | eval τ_sim by eval | eval τ_sim | real τ (last / best) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in table:
         label = " ".join(f"{k}={v}" for k, v in row["settings"].items()) or row["job"]
-        if not row["done"]:
-            lines.append(f"| {label} | (no summary: running or killed) | | | | | |")
+        if row["step"] is None:  # no summary: nothing measured to show
+            lines.append(f"| {label} | {row['state']} | | | | | | |")
             continue
         curve = ", ".join(_fmt(t, 2) for _, t in row["eval_tau_sim_by_step"])
         real = (
@@ -122,7 +221,7 @@ def markdown(table: list[dict[str, Any]]) -> str:
             else ""
         )
         lines.append(
-            f"| {label} | {row['step']} | {_fmt(row['eval_loss'])} | "
+            f"| {label} | {row['state']} | {row['step']} | {_fmt(row['eval_loss'])} | "
             f"{' / '.join(_fmt(a) for a in row['eval_acc'])} | {curve} | "
             f"{_fmt(row['eval_tau_sim'])} | {real} |"
         )

@@ -41,7 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.atomic import atomic_file
-from eagleforge.errors import ConfigError
+from eagleforge.errors import ConfigError, Stopped
+from eagleforge.files import unwritable_reason
 
 log = logging.getLogger(__name__)
 # MLflow announces the creation and migration of a sqlite store at INFO on the console; it is
@@ -705,6 +706,29 @@ def default_tracking_uri(output_root: str | Path) -> str:
     return f"sqlite:///{Path(output_root).resolve() / 'mlflow.db'}"
 
 
+def resolve_tracking_uri(cfg: TrackerConfig, output_root: str | Path) -> str:
+    """tracker.tracking_uri, else $MLFLOW_TRACKING_URI, else the sqlite store in output_root."""
+    return (
+        cfg.tracking_uri
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or default_tracking_uri(output_root)
+    )
+
+
+def store_paths(uri: str) -> list[Path]:
+    """The local places an MLflow tracking URI writes: a sqlite file and its directory (the
+    journal goes beside it), or a file store's directory; none for a server or a database
+    elsewhere."""
+    if uri.startswith("sqlite:///"):
+        store = Path(uri.removeprefix("sqlite:///"))
+        return [store.parent, store]
+    if uri.startswith("file:"):
+        return [Path(uri.removeprefix("file:").removeprefix("//"))]
+    if "://" not in uri and not uri.startswith("databricks"):
+        return [Path(uri)]  # a bare path: MLflow's file store
+    return []
+
+
 def server_down(uri: str, timeout_s: float = 5.0) -> str | None:
     """Why the MLflow server of an http(s) tracking URI does not answer (its ``/health``);
     None when it answers, or when ``uri`` names no server (a local store, a database)."""
@@ -774,11 +798,7 @@ def build_tracker(
         return NullTracker()
     if cfg.kind == TrackerKind.console:
         return ConsoleTracker()
-    uri = (
-        cfg.tracking_uri
-        or os.environ.get("MLFLOW_TRACKING_URI")
-        or default_tracking_uri(output_root)
-    )
+    uri = resolve_tracking_uri(cfg, output_root)
     Path(output_root).mkdir(parents=True, exist_ok=True)
     record = Path(output_dir) / RUN_RECORD if output_dir is not None else None
     tracker = MLflowTracker(
@@ -826,15 +846,14 @@ def _config_text(cfg: DictConfig, key: str, default: str) -> str:
 
 
 def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = True) -> None:
-    """After ``error`` stopped a run: end the MLflow run it left open as FAILED (KILLED for
-    Ctrl-C) with the error as the ``error`` tag. A job that failed before it had a run (a bad
-    config value, an unreadable data file, no +model) gets a FAILED run of its own, so that
-    every job of a sweep shows in MLflow. ``cfg`` is the run's composed root config; never
-    raises."""
+    """After ``error`` stopped a run: end the MLflow run it left open as ``end_status`` says
+    (FAILED with the error as the ``error`` tag; KILLED for Ctrl-C). A job that failed before
+    it had a run (a bad config value, an unreadable data file, no +model) gets a FAILED run of
+    its own, so that every job of a sweep shows in MLflow. ``cfg`` is the run's composed root
+    config; never raises."""
     if not is_main or _config_text(cfg, "tracker.kind", "") != TrackerKind.mlflow.value:
         return
-    status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
-    message = f"{type(error).__name__}: {error}"[:MAX_TAG_CHARS]
+    status, tags = end_status(error)
     try:
         tracker = MLflowTracker.last
         if tracker is None or tracker.closed:
@@ -845,18 +864,56 @@ def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = Tru
                 log.debug("failure not recorded: no MLflow server answers at %s", server)
                 return
             output_dir = Path(_config_text(cfg, "output_dir", "run"))
+            root = _config_text(cfg, "output_root", "outputs")
+            places = [Path(root), *store_paths(resolve_tracking_uri(tracker_cfg, root))]
+            if any(unwritable_reason(place) for place in places):
+                return  # nowhere to record it; the error names the setting to change
             model, data = (_config_text(cfg, f"{key}.name", "unknown") for key in ("model", "data"))
             built = build_tracker(
                 tracker_cfg,
-                _config_text(cfg, "output_root", "outputs"),
+                root,
                 default_run_name(model, data, output_dir),
                 output_dir=output_dir,
             )
             assert isinstance(built, MLflowTracker)
             tracker = built
-        tracker.close(status, tags={"error": message})
+        tracker.close(status, tags=tags)
     except Exception as e:  # the failure being reported matters more than this record of it
         log.warning("could not record the failure in MLflow (%s: %s)", type(e).__name__, e)
+
+
+def end_status(error: BaseException) -> tuple[str, dict[str, str]]:
+    """The MLflow status and tags of a run that ``error`` ended: KILLED for Ctrl-C and a stop
+    signal (the ``stopped_by`` tag names it), else FAILED with the error as the ``error``
+    tag."""
+    if isinstance(error, Stopped):
+        return "KILLED", {"stopped_by": error.signal_name}
+    if isinstance(error, KeyboardInterrupt):
+        return "KILLED", {"stopped_by": signal.SIGINT.name}
+    return "FAILED", {"error": f"{type(error).__name__}: {error}"[:MAX_TAG_CHARS]}
+
+
+@contextmanager
+def ended_on_error(tracker: Tracker) -> Iterator[None]:
+    """When the block raises -- Ctrl-C and stop signals (``Stopped``) included -- the tracker's
+    run is ended as ``end_run`` says, and the error goes on."""
+    try:
+        yield
+    except BaseException as e:
+        end_run(tracker, e)
+        raise
+
+
+def end_run(tracker: Tracker, error: BaseException) -> None:
+    """Close ``tracker`` after ``error`` stopped the command before its end: an MLflow run is
+    ended as ``end_status`` says rather than left RUNNING. Never raises."""
+    try:
+        if isinstance(tracker, MLflowTracker):
+            tracker.close(*end_status(error))
+        else:
+            tracker.close()
+    except Exception as e:  # the error being reported matters more than this record of it
+        log.warning("could not end the MLflow run (%s: %s)", type(e).__name__, e)
 
 
 def record_stop(signum: int, cfg: DictConfig, *, is_main: bool = True) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -36,7 +39,7 @@ from eagleforge.errors import EagleForgeError
 from eagleforge.locking import RUN_DIR_LOCK, exclusive
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.launch import is_main_process
-from eagleforge.preflight import check_inputs
+from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.report import plot_learning_curve
 from eagleforge.targets.base import release
@@ -59,6 +62,8 @@ def run(cfg: DictConfig) -> TrainResult:
     config: EagleForgeConfig = to_typed(cfg)
     is_main = is_main_process()
     check_inputs(config, tracking=is_main)
+    outputs = {"output_dir": config.output_dir}
+    check_outputs(config, outputs, output_root=is_main, tracking=is_main)
     output_dir = Path(config.output_dir)
     with (
         exclusive(output_dir / RUN_DIR_LOCK, output=output_dir, field="output_dir")
@@ -82,7 +87,8 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     if trainer.profiler is not None:
         report_profile(trainer.profiler, world, tracker)
     if world.is_main:
-        tracker.log_artifact(write_summary(result, output_dir / "summary.json"))
+        summary = write_summary(result, output_dir / "summary.json", trainer.max_num_steps)
+        tracker.log_artifact(summary)
         dflash = config.draft.family == DraftFamily.dflash
         if result.eval_by_step or result.tau_by_step:  # the learning curve
             curve = plot_learning_curve(
@@ -122,17 +128,22 @@ def report_profile(profiler: StepProfiler, world: World, tracker: Tracker) -> No
         print(f"\nTop operators (rank 0, {profiler.sort_key}):\n{profiler.table}", flush=True)
 
 
-def write_summary(result: TrainResult, path: Path) -> Path:
-    """``summary.json``: the run's end (paths as strings, or null). Re-running a finished run
-    keeps the summary that recorded its end; one killed before writing it gets one now."""
+def write_summary(result: TrainResult, path: Path, max_num_steps: int | None = None) -> Path:
+    """``summary.json``: the run's end (paths as strings, or null): its step of
+    ``max_num_steps``, and the signal that stopped it early (``stopped_by``, null when it
+    ran to its end). Re-running a finished run keeps the summary that recorded its end; one
+    killed before writing it gets one now."""
     if result.already_complete and path.is_file():
         try:
             if json.loads(path.read_text()).get("step") == result.step:
                 return path
         except ValueError:
             pass  # unreadable: written anew
+    stopped_by = result.preempted_by
     summary = {
         "step": result.step,
+        "max_num_steps": max_num_steps,
+        "stopped_by": signal.Signals(stopped_by).name if stopped_by is not None else None,
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,
         "initial_eval": result.initial_eval,
         "final_eval": result.final_eval,
@@ -181,6 +192,55 @@ def print_summary(result: TrainResult, tracker: object, dflash: bool = False) ->
     print("\n".join(lines), flush=True)
 
 
+def resume_command() -> str:
+    """The command that continues this run where it stopped: the one that started it, with
+    the run's directory named -- hydra.run.dir, or a sweep's hydra.sweep.dir (its finished
+    jobs then do nothing, its stopped ones resume, those not run yet start) -- since by
+    default every command makes a new directory. Spelled out where this process is the
+    command typed (``python -m eagleforge.train``, ``eagleforge-train``); else (a submitit
+    job, torchrun) as what to add to it."""
+    if not HydraConfig.initialized():
+        return "the same command"
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        key, directory = "hydra.sweep.dir", str(Path(hydra_cfg.sweep.dir).resolve())
+    else:
+        key, directory = "hydra.run.dir", str(hydra_cfg.runtime.output_dir)
+    setting = hydra_override(key, directory)
+    program = {"train.py": "python -m eagleforge.train", "eagleforge-train": "eagleforge-train"}
+    typed = program.get(Path(sys.argv[0]).name)
+    if typed is None or "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"the same command with {setting}"
+    args = [arg for arg in sys.argv[1:] if arg.split("=", 1)[0] != key]
+    return " ".join([typed, shlex.join([*args, setting])])
+
+
+def hydra_override(key: str, value: str) -> str:
+    """``key=value`` as Hydra reads it back to ``value``: quoted for Hydra where it would not
+    (a comma makes a sweep, ``=`` and letters outside ASCII do not parse)."""
+    plain = f"{key}={value}"
+    try:
+        if OverridesParser.create().parse_overrides([plain])[0].value() == value:
+            return plain
+    except OverrideParseException:
+        pass
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{key}="{escaped}"'
+
+
+def stop_line(result: TrainResult) -> str:
+    """What a run stopped by a signal prints once it saved: where, and what to run to go on."""
+    name = signal.Signals(result.preempted_by or signal.SIGTERM).name
+    where = f"stopped by {name} after step {result.step}"
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        where += f" in job {HydraConfig.get().job.num} of the sweep"
+        return (
+            f"{where}, checkpoint saved; to go on (this job from its checkpoint, the jobs not "
+            f"run yet from the start, finished ones skipped), run: {resume_command()}"
+        )
+    return f"{where}, checkpoint saved; to go on from it, run: {resume_command()}"
+
+
 # Exit status of a run stopped by a signal after saving: 128 + the signal, as if the signal
 # had killed it, so that SLURM and submitit treat it as preempted and requeue it.
 def _exit_status(result: TrainResult) -> int:
@@ -200,8 +260,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         record_failure(e, cfg, is_main=is_main)
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C outside the loop, or a second one in it
             print(
-                "interrupted: stopped without saving; the same command resumes from the last "
-                "checkpoint",
+                "interrupted: stopped without saving; to go on from the last checkpoint, run: "
+                f"{resume_command()}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -214,6 +274,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(2)
     if result.preempted_by is not None:
         record_stop(result.preempted_by, cfg, is_main=is_main)
+        if is_main:
+            print(stop_line(result), file=sys.stderr, flush=True)
         # saved: now the launcher's own handler (submitit's requeues the job), then exit
         StopSignals.hand_on(result.preempted_by)
         sys.exit(_exit_status(result))

@@ -475,10 +475,12 @@ class Trainer:
         signum = self.stop.signal
         assert signum is not None
         result.step, result.preempted_by = self.step, signum
+        # the entry point says what to run to go on (the run's directory is part of it)
         log.warning(
-            "stopped by %s after step %d; checkpoint %s (the same command resumes)",
+            "stopped by %s after step %d of %d; checkpoint %s",
             signal.Signals(signum).name,
             self.step,
+            self.max_num_steps,
             result.checkpoint,
         )
         return result

@@ -3,11 +3,14 @@ learning curves, and jobs without a summary named as such."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from eagleforge.locking import RUN_DIR_LOCK
 from eagleforge.sweep_report import main, read_jobs, rows
 
 pytestmark = pytest.mark.unit
@@ -49,12 +52,63 @@ def test_jobs_are_labelled_by_what_differs_and_unfinished_ones_say_so(
     assert main([str(tmp_path), "--plot", str(plot), "--json"]) == 0
     out = capsys.readouterr().out
     assert (
-        "| loss=kl | 40 | 9.000 | 0.500 / 0.250 | 1.00, 1.30, 1.50 | 1.500 | 1.400 / 1.400 |" in out
+        "| loss=kl | done | 40 | 9.000 | 0.500 / 0.250 | 1.00, 1.30, 1.50 | 1.500 | 1.400 / 1.400 |"
+        in out
     )
-    assert "| loss=jsd | (no summary: running or killed)" in out
+    assert "| loss=jsd | failed or killed (no checkpoint; see its train.log) | |" in out
     assert plot.stat().st_size > 0
 
 
 def test_a_directory_without_jobs_is_named(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no job directories"):
         main([str(tmp_path)])
+
+
+def _multirun_yaml(root: Path, task: list[str]) -> None:
+    """What Hydra's basic sweeper writes into the sweep directory as it starts."""
+    sweeper = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+    lines = ["hydra:", "  sweeper:", f"    _target_: {sweeper}", "    params: null"]
+    lines += ["  overrides:", "    task:", *(f"    - {o}" for o in task)]
+    (root / "multirun.yaml").write_text("\n".join(lines) + "\n")
+
+
+def test_a_stopped_sweep_lists_every_job_by_its_overrides_with_its_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Job 0 stopped by SIGTERM at step 8 of 351 and the sweep ended there: job 1 never ran."""
+    common = ["+model=smollm2", "trainer.max_num_steps=351"]
+    _multirun_yaml(tmp_path, [*common, "optimizer.lr=1e-3,3e-3"])
+    stopped = {**_summary([1.0], None), "step": 8, "max_num_steps": 351, "stopped_by": "SIGTERM"}
+    _job(tmp_path, "0", [*common, "optimizer.lr=0.001"], stopped)
+    table = rows(read_jobs(tmp_path))
+    assert [(r["settings"], r["state"]) for r in table] == [
+        ({"optimizer.lr": "0.001"}, "stopped by SIGTERM at step 8 of 351"),
+        ({"optimizer.lr": "0.003"}, "not run"),
+    ]
+    assert table[1]["overrides"] == [*common, "optimizer.lr=0.003"] and not table[0]["done"]
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| optimizer.lr=0.001 | stopped by SIGTERM at step 8 of 351 | 8 |" in out
+    assert "| optimizer.lr=0.003 | not run | |" in out
+
+
+def test_running_killed_and_older_stopped_jobs_are_told_apart(tmp_path: Path) -> None:
+    common = ["trainer.max_num_steps=100"]
+    config = "trainer:\n  max_num_steps: 100\n"
+    _job(tmp_path, "0", [*common, "seed=0"], {**_summary([1.0], None), "step": 30})  # no stopped_by
+    _job(tmp_path, "1", [*common, "seed=1"], None)
+    (tmp_path / "1" / "checkpoints" / "step_00000040").mkdir(parents=True)
+    _job(tmp_path, "2", [*common, "seed=2"], None)
+    for name in ("0", "1", "2"):
+        (tmp_path / name / ".hydra" / "config.yaml").write_text(config)
+    lock = os.open(tmp_path / "2" / RUN_DIR_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # job 2's trainer holds its run directory
+    try:
+        states = [row["state"] for row in rows(read_jobs(tmp_path))]
+    finally:
+        os.close(lock)
+    assert states == [
+        "stopped at step 30 of 100",
+        "failed or killed (last checkpoint at step 40 of 100; see its train.log)",
+        "running",
+    ]

@@ -27,7 +27,7 @@ from typing import Any
 
 from eagleforge.engine.client import VLLMClient
 from eagleforge.engine.config import VLLMConfig
-from eagleforge.errors import EagleForgeError
+from eagleforge.errors import EagleForgeError, Stopped
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +253,14 @@ atexit.register(_stop_all)
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """While active, SIGTERM and SIGHUP (a ``kill``, a closed terminal) raise SystemExit in the
-    main thread instead of ending the process at once, so every ``with VLLMServer`` stops its
-    engine. Handlers someone else installed are left alone."""
+    """While active, SIGTERM and SIGHUP (a ``kill``, a closed terminal) raise ``Stopped`` (a
+    SystemExit with status 128 + the signal) in the main thread instead of ending the process
+    at once, so every ``with VLLMServer`` stops its engine. Handlers someone else installed are
+    left alone."""
     previous: dict[signal.Signals, Any] = {}
 
     def _exit(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
+        raise Stopped(signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         try:
