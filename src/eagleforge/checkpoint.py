@@ -34,7 +34,7 @@ from eagleforge.atomic import atomic_directory, is_disk_full
 from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.family import AnyDraft, TrainingModule
 from eagleforge.draft.model import DraftArchitecture
-from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.errors import CheckpointError, ConfigError, ResumeRefused
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
 from eagleforge.formats.read import load_sglang
 from eagleforge.formats.write import write_sglang
@@ -131,7 +131,7 @@ def resume_changes(
         f"{key}: {old!r} -> {new!r}" for key, (old, new) in differ.items() if not resumable(key)
     ]
     if refused:
-        raise ConfigError(
+        raise ResumeRefused(
             f"{checkpoint} was trained with other settings ({'; '.join(refused)}); a resumed run "
             "keeps what defines it (docs/training.md#resuming): put them back, or start a new "
             "run (another hydra.run.dir, or trainer.resume=never)."
@@ -189,7 +189,7 @@ def check_identity(checkpoint: Path, identity: Mapping[str, str]) -> None:
         return
     differ = [IDENTITY_NAMES.get(k, k) for k, v in identity.items() if k in saved and saved[k] != v]
     if differ:
-        raise ConfigError(
+        raise ResumeRefused(
             f"{checkpoint} was trained on other inputs: {'; '.join(differ)} differ from this "
             "run's; resume with the target and data it was trained on, or start a new run "
             "(another hydra.run.dir, or trainer.resume=never)."

@@ -31,6 +31,11 @@ class CheckpointError(EagleForgeError, ValueError):
     """A checkpoint is unreadable or does not fit the run; the message names its directory."""
 
 
+class ResumeRefused(ConfigError):
+    """A resume that would change what defines the run (``checkpoint.resume_changes``,
+    ``check_identity``): refused before anything of the run is touched."""
+
+
 class Stopped(SystemExit):
     """A stop signal (SIGTERM: SLURM's preemption, scancel, kill; SIGHUP: a closed terminal)
     ended a command that has no step to finish (``engine.server.stop_on_signals`` raises it in

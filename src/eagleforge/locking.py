@@ -188,10 +188,31 @@ class LockRunDir(Callback):
         except RunLocked as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
+        # what .hydra/ says of the run so far, before Hydra rewrites it for this one
+        record = output / str(config.hydra.output_subdir)
+        _RECORDS[str(record)] = {
+            p.name: p.read_bytes() for p in record.glob("*.yaml") if p.is_file()
+        }
 
     def _drop(self) -> None:
         if self._key in _HELD:
             release(_HELD.pop(self._key))
+
+
+# .hydra/ of each run directory as it was when this process took the directory (LockRunDir)
+_RECORDS: dict[str, dict[str, bytes]] = {}
+
+
+def restore_run_records() -> None:
+    """Put back the ``.hydra/`` files Hydra rewrote for a run that then did not run (a refused
+    resume): the directory records the config that ran, not one that was refused. A directory
+    new to this command loses the files Hydra wrote."""
+    for directory, files in _RECORDS.items():
+        for path in Path(directory).glob("*.yaml"):
+            if path.name not in files:
+                path.unlink(missing_ok=True)
+        for name, data in files.items():
+            (Path(directory) / name).write_bytes(data)
 
 
 def run_dir_problem(config: Any, directory: str, field: str) -> str | None:

@@ -35,8 +35,8 @@ from eagleforge.config import (
     to_typed,
 )
 from eagleforge.draft.model import DraftFamily
-from eagleforge.errors import EagleForgeError
-from eagleforge.locking import RUN_DIR_LOCK, exclusive
+from eagleforge.errors import EagleForgeError, ResumeRefused
+from eagleforge.locking import RUN_DIR_LOCK, exclusive, restore_run_records
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.launch import is_main_process
 from eagleforge.preflight import check_inputs, check_outputs
@@ -257,7 +257,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         result = run(cfg)
     except (Exception, KeyboardInterrupt) as e:
-        record_failure(e, cfg, is_main=is_main)
+        if isinstance(e, ResumeRefused):  # nothing ran: the run's record stays as it was
+            restore_run_records()
+        else:
+            record_failure(e, cfg, is_main=is_main)
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C outside the loop, or a second one in it
             print(
                 "interrupted: stopped without saving; to go on from the last checkpoint, run: "

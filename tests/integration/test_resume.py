@@ -118,7 +118,7 @@ def test_preemption_signal_finishes_the_step_saves_and_exits_for_requeue(
     )
     assert proc.stdout is not None
     for line in proc.stdout:  # wait until a few steps have run
-        if "step 3 train/loss" in line:
+        if "step 3 train:" in line:
             break
     proc.send_signal(signum)
     output = proc.communicate(timeout=300)[0]
@@ -146,7 +146,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path: Path) -> No
     )
     assert proc.stdout is not None
     for line in proc.stdout:
-        if "step 3 train/loss" in line:
+        if "step 3 train:" in line:
             proc.send_signal(signal.SIGINT)
         if "Ctrl-C: finishing this step" in line:  # the first was seen: the second now
             proc.send_signal(signal.SIGINT)
@@ -263,7 +263,7 @@ def test_rerunning_a_finished_run_does_nothing_and_names_its_checkpoint(tmp_path
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "already complete" in output and str(first.checkpoint) in output
-    assert "eval/" not in output and "train/loss" not in output  # no step, no eval again
+    assert "eval: loss" not in output and "train: loss" not in output  # no step, no eval again
     assert "None" not in output
     assert summary_path.read_text() == summary  # the finished run's record stays
     assert first.checkpoint is not None
@@ -378,3 +378,28 @@ def test_a_resume_applies_what_may_change_records_it_and_refuses_the_rest(
             )
     # a refused resume changed nothing
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step_00000004", "step_00000006"]
+
+
+def test_a_refused_resume_leaves_the_runs_record_as_it_was(tmp_path: Path) -> None:
+    """From the command line: one line, status 2, and the run directory's record untouched --
+    .hydra/ still says what ran, mlflow_run.json still names the run's MLflow run (no FAILED
+    run of its own replaces it), no checkpoint written."""
+    run_dir = tmp_path / "cli"
+    args = [*tiny_run_overrides(tmp_path, "trainer.max_num_steps=2", "tracker=mlflow",
+                                "draft.ttt_length=3", name=None), f"hydra.run.dir={run_dir}"]  # fmt: skip
+    first = subprocess.run([sys.executable, "-m", "eagleforge.train", *args], capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    before = {
+        p: p.read_bytes() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "mlflow_run.json"]
+    }
+    refused = subprocess.run(
+        [sys.executable, "-m", "eagleforge.train", *args, "draft.ttt_length=2",
+         "trainer.max_num_steps=4"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "draft.ttt_length: 3 -> 2" in errors[0]
+    assert "Traceback" not in refused.stderr + refused.stdout
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
