@@ -237,7 +237,7 @@ def evaluate_draft(
     settings = decoder.settings
     summary = summarise(
         name, records, settings.num_draft_tokens, greedy, prompts.name, prompts.source,
-        settings.label,
+        settings.label, str(target_dtype(config)).removeprefix("torch."),
     )  # fmt: skip
     return summary, records
 
@@ -404,7 +404,7 @@ def evaluate_with_vllm(
                         )  # fmt: skip
                         summary = summarise_engine(
                             str(path), prompt_set, setting, run,
-                            baselines.get(prompt_set.name), ecfg.engine_batch,
+                            baselines.get(prompt_set.name), ecfg.engine_batch, dtype,
                         )  # fmt: skip
                         report_engine_summary(summary, output_dir, step, tracker, len(sets) > 1)
                         summaries.append(summary)

@@ -59,7 +59,7 @@ def keep_mlflow_off_the_console() -> None:
     only, never onto the console: a locked or full sqlite store makes them print tracebacks of
     dozens of lines, where the tracker's own one-line warning is what the user needs. Called
     once mlflow is imported (its import installs their console handlers)."""
-    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    files = _root_handlers(files=True)
     for name in MLFLOW_LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers = list(files) or [logging.NullHandler()]
@@ -108,8 +108,79 @@ class Tracker(Protocol):
 
 
 def metrics_line(metrics: Mapping[str, float], step: int) -> str:
-    """The line every tracker writes to the log (console and <run dir>/train.log)."""
+    """Every metric of one ``log_metrics`` call, as the line the run's log file gets
+    (``<run dir>/train.log``): ``step 20 train/loss=2.31 train/loss_0=1.02 ...``."""
     return f"step {step} " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+
+
+def _tokens_per_s(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+# What the console line shows of a scope's metrics, in this order: (name after the scope,
+# label, format). The rest (per-position loss, acc and alpha, counts, grad norm, epoch, the
+# data report) goes to the log file and the tracker only. acc_0 is the first drafted token in
+# every draft family: TTT position 0 of EAGLE-3, block slot 1 of DFlash.
+CONSOLE_METRICS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("loss", "loss", "{:.4g}".format),
+    ("acc_0", "acc_0", "{:.3f}".format),
+    ("tau_sim", "τ_sim", "{:.3f}".format),
+    ("tau", "τ", "{:.3f}".format),
+    ("speedup", "speedup", "{:.2f}x".format),
+    ("tokens_per_s", "tok/s", _tokens_per_s),
+    ("lr", "lr", "{:.2e}".format),
+    ("peak_mem_mib", "mem", lambda mib: f"{mib / 1024:.2f} GiB"),
+)
+
+
+def console_line(metrics: Mapping[str, float], step: int) -> str | None:
+    """The few numbers of one ``log_metrics`` call a person watches, as one console line:
+    ``step 20 train: loss 2.31  acc_0 0.412  τ_sim 1.52  tok/s 1,234  lr 3.00e-03  mem 1.43
+    GiB``; each scope (``train``, ``eval``, ``eval/gsm8k``) in its own part. None when no
+    metric is one of ``CONSOLE_METRICS``."""
+    scopes: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        scope, _, name = key.rpartition("/")
+        scopes.setdefault(scope, {})[name] = value
+    parts = []
+    for scope, values in scopes.items():
+        shown = [f"{label} {fmt(values[n])}" for n, label, fmt in CONSOLE_METRICS if n in values]
+        if shown:
+            parts.append(f"{scope}: {'  '.join(shown)}" if scope else "  ".join(shown))
+    return f"step {step} " + "  |  ".join(parts) if parts else None
+
+
+# The two loggers of metric lines: the console line (console_line) and every metric
+# (metrics_line), each routed, when it is written, to the root logger's console handlers or
+# to its log files (Hydra's <run dir>/train.log).
+CONSOLE_LOG = logging.getLogger("eagleforge.metrics")
+ALL_METRICS_LOG = logging.getLogger("eagleforge.metrics.all")
+
+
+def _root_handlers(*, files: bool) -> list[logging.Handler]:
+    """The root logger's handlers that write to files (``files``), or all the others (the
+    console's)."""
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler) is files]
+
+
+def _routed(logger: logging.Logger, handlers: list[logging.Handler]) -> logging.Logger:
+    # the root's handlers as they are now: Hydra installs new ones for each job of a sweep
+    logger.handlers = handlers or [logging.NullHandler()]
+    logger.propagate = False
+    return logger
+
+
+def log_metric_lines(metrics: Mapping[str, float], step: int) -> None:
+    """One ``log_metrics`` call in the log: every metric into the run's log file, and the
+    few a person watches onto the console, above the progress bar (tqdm clears it, the line
+    is written, the bar is drawn again), never in the middle of it."""
+    from tqdm.auto import tqdm
+
+    _routed(ALL_METRICS_LOG, _root_handlers(files=True)).info("%s", metrics_line(metrics, step))
+    line = console_line(metrics, step)
+    if line is not None:
+        with tqdm.external_write_mode():
+            _routed(CONSOLE_LOG, _root_handlers(files=False)).info("%s", line)
 
 
 def param_text(value: Any) -> str:
@@ -135,7 +206,7 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class ConsoleTracker:
-    """Logs metrics through the ``logging`` module."""
+    """Logs metrics through the ``logging`` module (``log_metric_lines``)."""
 
     continued = False
 
@@ -143,7 +214,7 @@ class ConsoleTracker:
         log.debug("config:\n%s", config_yaml)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        log.info("%s", metrics_line(metrics, step))
+        log_metric_lines(metrics, step)
 
     def log_artifact(self, path: str | Path) -> None:
         log.info("artifact %s", path)
@@ -510,7 +581,7 @@ class MLflowTracker:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         values = {k: float(v) for k, v in metrics.items()}
-        log.info("%s", metrics_line(values, step))
+        log_metric_lines(values, step)
         timestamp = int(time.time() * 1000)
         self._put({"kind": "metrics", "step": step, "timestamp": timestamp, "metrics": values})
 

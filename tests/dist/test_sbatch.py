@@ -144,7 +144,7 @@ def test_the_time_limit_signal_saves_and_requeues(tmp_path: Path) -> None:
     proc = start(tmp_path, "trainer.max_num_steps=500")
     assert proc.stdout is not None
     for line in proc.stdout:
-        if "step 2 train/loss" in line:
+        if "step 2 train:" in line:
             break
     for pid in descendants(proc.pid):  # SLURM signals every task
         if "eagleforge.train" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):

@@ -237,3 +237,22 @@ def test_a_sweep_decodes_the_target_alone_once_and_tables_every_setting(
 def test_a_malformed_sweep_entry_is_one_error(entry: str) -> None:
     with pytest.raises(ConfigError, match=f"eval.sweep entry '{entry}'"):
         typed(f"eval.sweep=[{entry}]")
+
+
+class PartingDecoder(FakeDecoder):
+    """The target alone's greedy output parts ways with the speculative one at its last token."""
+
+    def generate_target_only(self, prompt_ids: list[int], generator: Any, images: Any) -> Any:
+        return DecodeResult([5, 6, 8], 0.02, 4)
+
+
+def test_the_table_says_a_bf16_difference_is_expected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = typed(f"output_dir={tmp_path}", f"eval.prompts={HUMANEVAL}", "model.dtype=bfloat16")
+    (prompts,) = load_prompt_sets(config.eval.prompt_sets(), multi_turn=False)
+    evaluate_sets(config, PartingDecoder(), FakeRenderer(), Path("step_00000002"), 2, [prompts],
+                  torch.device("cpu"), Recorder())  # type: ignore[arg-type]  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "greedy output = target's             differs — bf16, as expected" in printed
+    assert "in bfloat16, as expected: a forward over several tokens" in printed  # and why

@@ -67,16 +67,18 @@ def test_params_are_the_values_a_user_types(tmp_path: Path) -> None:
     assert not [v for v in params.values() if v.startswith(("ModelSource.", "OptimizerKind."))]
 
 
-def test_metrics_also_reach_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_both_trackers_write_the_same_console_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Hydra sends the logging module to the console and to <run dir>/train.log: the MLflow
-    tracker writes there the same metrics line as the console tracker."""
+    tracker writes there the same lines as the console tracker."""
     from eagleforge.tracking import ConsoleTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = MLflowTracker(uri, "lines", "run", tmp_path / "artifacts")
-    with caplog.at_level("INFO", logger="eagleforge.tracking"):
+    with caplog.at_level("INFO", logger="eagleforge.metrics"):
         tracker.log_metrics({"train/loss": 2.5, "train/acc_0": 0.125}, step=3)
         ConsoleTracker().log_metrics({"train/loss": 2.5, "train/acc_0": 0.125}, step=3)
     tracker.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "eagleforge.tracking"]
-    assert lines.count("step 3 train/loss=2.5 train/acc_0=0.125") == 2, lines
+    lines = [r.getMessage() for r in caplog.records if r.name == "eagleforge.metrics"]
+    assert lines == ["step 3 train: loss 2.5  acc_0 0.125"] * 2, lines

@@ -150,8 +150,10 @@ def summarise_engine(
     speculative: EngineRun,
     baseline: EngineRun | None,
     batch: int,
+    dtype: str = "",
 ) -> Summary:
-    """The evaluator's Summary of a vLLM-served draft (engine ``vllm``)."""
+    """The evaluator's Summary of a vLLM-served draft (engine ``vllm``), decoded in ``dtype``
+    (vLLM's: float32 | bfloat16 | float16)."""
     counters = speculative.counters or SpecCounters()
     single = speculative.single
     greedy = settings.temperature == 0
@@ -191,4 +193,5 @@ def summarise_engine(
         batch_baseline_tokens_per_s=batch_base,
         batch_speedup=batch_speed / batch_base if batch_speed and batch_base else None,
         batch_outputs_equal=batch_equal,
+        dtype=dtype,
     )
