@@ -940,11 +940,14 @@ def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = Tru
             if any(unwritable_reason(place) for place in places):
                 return  # nowhere to record it; the error names the setting to change
             model, data = (_config_text(cfg, f"{key}.name", "unknown") for key in ("model", "data"))
+            # a run directory that records its MLflow run keeps it: the failed job gets a run
+            # of its own, and a later resume goes on in the run its checkpoints belong to
+            recorded = (output_dir / RUN_RECORD).exists()
             built = build_tracker(
                 tracker_cfg,
                 root,
                 default_run_name(model, data, output_dir),
-                output_dir=output_dir,
+                output_dir=None if recorded else output_dir,
             )
             assert isinstance(built, MLflowTracker)
             tracker = built

@@ -524,7 +524,8 @@ class Trainer:
             initial=self.step,
             desc="train",
             unit="step",
-            disable=not (cfg.progress_bar and self.world.is_main),
+            # None: shown on a terminal only, never redrawn into a SLURM log or a file
+            disable=None if cfg.progress_bar and self.world.is_main else True,
             dynamic_ncols=True,
         )
         while self.step < self.max_num_steps:
