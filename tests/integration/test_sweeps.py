@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -175,3 +176,52 @@ def test_submitit_local_sweep_saves_requeues_and_resumes_on_sigusr2(tmp_path: Pa
         assert (stopped.info.status, stopped.data.tags["stopped_by"]) == ("KILLED", "SIGUSR2")
         assert resumed.info.status == "FINISHED"
         assert resumed.data.tags["override/optimizer.lr"] == ("0.001", "0.003")[n]
+
+
+# Slow (a sweep stopped, then both jobs trained): its parts run by default in
+# tests/unit/test_train_stop.py (the command printed) and tests/unit/test_sweep_report.py.
+@pytest.mark.slow
+def test_a_stopped_sweep_goes_on_with_the_command_it_prints(tmp_path: Path) -> None:
+    """SIGTERM stops job 0 after a step and the sweep with it (job 1 never runs); the command
+    the stop prints resumes job 0 and runs job 1 in the same sweep directory."""
+    from eagleforge.sweep_report import read_jobs, rows
+
+    args = sweep(tmp_path, "trainer.max_num_steps=8", "trainer.save_every_n_steps=1",
+                 "trainer.eval_every_n_steps=0", "optimizer.lr=1e-3,3e-3")  # fmt: skip
+    args.remove(f"hydra.sweep.dir={tmp_path / 'sweep'}")  # the default: a new dir per command
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240
+            while not list(tmp_path.glob("multirun/*/0/checkpoints/step_*")):
+                assert driver.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "job 0 did not start training"
+                time.sleep(0.2)
+            driver.send_signal(signal.SIGTERM)
+            driver.wait(timeout=300)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    output = log.read_text()
+    assert driver.returncode == 128 + signal.SIGTERM, output[-3000:]
+    (said,) = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM")]
+    command = said.split("run: python -m eagleforge.train ", 1)[1]
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    assert command.endswith(f"hydra.sweep.dir={sweep_dir.resolve()}")
+    states = [row["state"] for row in rows(read_jobs(sweep_dir))]
+    assert states[0].startswith("stopped by SIGTERM at step ") and states[1] == "not run"
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "eagleforge.train", *shlex.split(command)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert list((tmp_path / "multirun").iterdir()) == [sweep_dir]  # no new sweep directory
+    assert "resumed from" in (sweep_dir / "0" / "train.log").read_text()
+    table = rows(read_jobs(sweep_dir))
+    assert [(r["settings"], r["state"], r["step"]) for r in table] == [
+        ({"optimizer.lr": "0.001"}, "done", 8),
+        ({"optimizer.lr": "0.003"}, "done", 8),
+    ]
