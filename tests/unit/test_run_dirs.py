@@ -42,7 +42,7 @@ def test_export_check_leaves_nothing(tmp_path: Path) -> None:
         [sys.executable, "-m", "eagleforge.export", "--check", str(tmp_path / "missing")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert done.returncode == 1 and "no config.json" in done.stdout
+    assert done.returncode == 1 and "no such directory" in done.stdout
     assert list(tmp_path.iterdir()) == []
 
 
