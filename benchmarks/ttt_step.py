@@ -187,7 +187,7 @@ def main() -> None:
     )
     if document_ids is not None and position_ids is not None:
         document_ids, position_ids = document_ids.to(device), position_ids.to(device)
-    weights = step_weights(args.ttt_length, 0.8)
+    weights = step_weights(args.ttt_length, 0.8, device)
 
     def make_batch() -> TTTBatch:
         """The teacher (through the target lm_head, where a next token is supervised) + inputs."""

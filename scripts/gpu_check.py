@@ -47,8 +47,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WHEELS = REPO / "gpu-wheels"
-BUNDLE_LIMIT_MIB = 64.0  # what the device machine accepts as carried files
-TOTAL_BUDGET_S = 480  # the whole check, parts and setup, on one GPU
+BUNDLE_LIMIT_MIB = 64.0  # what the device machine accepts: the working tree and carried files
+TOTAL_BUDGET_S = 540  # the whole check, parts and setup, on one GPU (a call may run 600 s)
 
 # What the code and the gpu tests import that the GPU image lacks, the .venv's versions. The
 # image has torch and transformers with their own dependencies (numpy, pyyaml, packaging,
@@ -77,6 +77,10 @@ WHEELS = {
     "pygments": "2.21.0",
 }
 SDIST_ONLY = {"antlr4-python3-runtime"}
+# In the image already (its package list, read 2026-11-17), at versions our code does not depend
+# on: not bundled, so that the bundle and the working tree together stay under 64 MiB. pyarrow is
+# in the image too but bundled anyway: datasets needs pyarrow >= 24, and the image's may be older.
+FROM_IMAGE = {"pandas", "python-dateutil", "six", "pytest", "pluggy", "iniconfig", "pygments"}
 # The image: CPython 3.12 on x86-64 Linux, glibc 2.28 or newer.
 PIP_TARGET = [
     "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
@@ -133,10 +137,12 @@ def parts(py: str, work: Path, wheels: Path, logs: Path) -> list[Part]:
     setup = [py, me, "setup", "--wheels", str(wheels), "--work", str(work)]
     tests = [py, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
              "--continue-on-collection-errors", f"--junitxml={logs / 'gpu-tests.xml'}"]  # fmt: skip
-    budgets = {"eager": 40, "sdpa": 35, "flex": 70, "flash": 35}  # eager tokenizes the data
+    # measured on an H200 (2026-12-04): eager 22.5 s (it tokenizes the data), sdpa 18.3 s, flex
+    # over 70 s (18 of 30 steps: flex_attention compiles), gpu-tests 73-89 s, bench-sdpa 26-30 s
+    budgets = {"eager": 40, "sdpa": 30, "flex": 120, "flash": 30}
     result = [
         Part("setup", 35, "install the missing wheels, unpack the fixtures, build the tiny targets", setup),
-        Part("gpu-tests", 120, "pytest -m gpu tests/gpu (2-GPU tests skip on one GPU)", tests),
+        Part("gpu-tests", 110, "pytest -m gpu tests/gpu (2-GPU tests skip on one GPU)", tests),
     ]  # fmt: skip
     for backend in TRAIN_BACKENDS:
         argv = [py, me, "train", "--attention", backend, "--work", str(work)]
@@ -146,12 +152,12 @@ def parts(py: str, work: Path, wheels: Path, logs: Path) -> list[Part]:
     result.append(
         Part("losses", 0, "the backends' loss traces against eager (sdpa if eager failed)")
     )
-    for backend, budget in (("sdpa", 45), ("flex", 60)):
+    for backend, budget in (("sdpa", 40), ("flex", 95)):
         argv = [py, "benchmarks/ttt_step.py", *BENCH_8B, "--attention", backend]
         what = f"TTT step of an 8B-shaped draft, bf16, T 2048, attention={backend}"
         result.append(Part(f"bench-{backend}", budget, what, argv))
     evaluate = [py, me, "evaluate", "--work", str(work)]
-    result.append(Part("evaluate", 40, "the evaluator on CUDA: greedy chain and tree decoding equal the target's", evaluate))  # fmt: skip
+    result.append(Part("evaluate", 35, "the evaluator on CUDA: greedy chain and tree decoding equal the target's", evaluate))  # fmt: skip
     return result
 
 
@@ -173,7 +179,11 @@ def wheel_files(wheels: Path) -> dict[str, Path]:
 
 def missing_wheels(wheels: Path) -> list[str]:
     have = wheel_files(wheels) if wheels.is_dir() else {}
-    return [f"{d}=={v}" for d, v in WHEELS.items() if f"{normalize(d)}=={v}" not in have]
+    return [
+        f"{d}=={v}"
+        for d, v in WHEELS.items()
+        if d not in FROM_IMAGE and f"{normalize(d)}=={v}" not in have
+    ]
 
 
 def bundle_mib(wheels: Path) -> float:
@@ -182,10 +192,20 @@ def bundle_mib(wheels: Path) -> float:
     return sum(p.stat().st_size for p in wheels.rglob("*") if p.is_file()) / 2**20
 
 
+def tree_mib() -> float:
+    """What travels besides the bundle: the files git tracks or would add (not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, check=False,
+    ).stdout.split(b"\0")  # fmt: skip
+    files = (REPO / os.fsdecode(name) for name in listed if name)
+    return sum(f.stat().st_size for f in files if f.is_file()) / 2**20
+
+
 def bundle(wheels: Path) -> int:
     """Download WHEELS for the image, pack FIXTURES; fail when the whole is over the limit."""
     wheels.mkdir(parents=True, exist_ok=True)
-    wanted = {f"{normalize(d)}=={v}" for d, v in WHEELS.items()}
+    wanted = {f"{normalize(d)}=={v}" for d, v in WHEELS.items() if d not in FROM_IMAGE}
     for key, path in wheel_files(wheels).items():
         if key not in wanted:  # another version from an earlier bundle
             path.unlink()
@@ -235,17 +255,29 @@ def report_bundle(wheels: Path) -> int:
     missing = missing_wheels(wheels)
     if not (wheels / FIXTURES).exists():
         missing.append(FIXTURES)
-    print(f"bundle {wheels}: {total:.1f} MiB of {BUNDLE_LIMIT_MIB:g} MiB")
+    tree = tree_mib()
+    print(
+        f"bundle {wheels}: {total:.1f} MiB + the working tree {tree:.1f} MiB, of {BUNDLE_LIMIT_MIB:g}"
+    )
     if missing:
         print(f"error: missing from {wheels}: {', '.join(missing)}; run `make gpu-wheels`.")
         return 1
-    if total > BUNDLE_LIMIT_MIB:
-        print(f"error: the bundle is {total:.1f} MiB, over the {BUNDLE_LIMIT_MIB:g} MiB limit.")
+    if total + tree > BUNDLE_LIMIT_MIB:
+        print(f"error: {total + tree:.1f} MiB, over the {BUNDLE_LIMIT_MIB:g} MiB limit.")
         return 1
     return 0
 
 
 # ------------------------------------------------------------------------ the parts (device)
+
+
+def older(have: str, bundled: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(have) < Version(bundled)
+    except InvalidVersion:
+        return False
 
 
 def setup(wheels: Path, work: Path) -> int:
@@ -258,9 +290,14 @@ def setup(wheels: Path, work: Path) -> int:
     for key, path in sorted(wheel_files(wheels).items()):
         dist = key.split("==")[0]
         try:
-            from_image[dist] = importlib.metadata.version(dist)
+            have = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             installed.append(path)
+            continue
+        if older(have, key.split("==")[1]):  # datasets needs a recent pyarrow, say
+            installed.append(path)
+        else:
+            from_image[dist] = have
     if installed:
         pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
                "--disable-pip-version-check", "--target", str(site)]  # fmt: skip
@@ -513,13 +550,15 @@ def compare_losses(work: Path) -> Outcome:
         diffs = [abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=False)]
         worst = max(diffs, default=math.inf)
         figures[backend] = {"max_step_rel_diff": round(worst, 5), "steps": len(losses)}
-        if not worst <= LOSS_TOLERANCE or len(losses) != len(ref):
-            bad.append(backend)
+        if not worst <= LOSS_TOLERANCE:
+            bad.append(
+                f"{backend}: a step's loss off {reference}'s by more than {LOSS_TOLERANCE:.0%}"
+            )
+        elif len(losses) != len(ref):  # a part stopped at its timeout keeps the steps it logged
+            bad.append(f"{backend}: {len(losses)} of {len(ref)} steps (stopped early)")
     note = f"every step within {LOSS_TOLERANCE:.0%} of {reference}"
     if bad:
-        note = (
-            f"{', '.join(bad)}: a step's loss off {reference}'s by more than {LOSS_TOLERANCE:.0%}"
-        )
+        note = "; ".join(bad)
     return Outcome("losses", "fail" if bad else "pass", 0.0, 0, note=note, figures=figures)
 
 

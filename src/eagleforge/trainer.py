@@ -160,7 +160,8 @@ class StepSums:
         counts = self.num_counted_k.clamp(min=1)
         loss_k = self.loss_sum_k / counts
         acc_k = (self.num_correct_k.double() / counts).tolist()
-        out = {f"{prefix}/loss": float((weights_k.double() * loss_k).sum())}
+        # the sums live on the CPU, the weights on the training device
+        out = {f"{prefix}/loss": float((weights_k.detach().double().cpu() * loss_k).sum())}
         out.update({f"{prefix}/loss_{i}": float(v) for i, v in enumerate(loss_k.tolist())})
         out.update({f"{prefix}/acc_{i}": float(v) for i, v in enumerate(acc_k)})
         alpha_k = (self.alpha_sum_k / counts).tolist()
