@@ -24,7 +24,8 @@ import time
 import torch
 
 from eagleforge.config import compose_config, to_typed
-from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import SpeculativeDecoder
 from eagleforge.speculative.prompts import load_prompts, render_prompt

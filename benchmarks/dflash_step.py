@@ -62,7 +62,7 @@ def main() -> None:
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, head_dim=args.head_dim, rms_norm_eps=1e-5,
         rope_theta=100000.0, max_position_embeddings=8192, vocab_size=args.vocab,
-        target_hidden_size=args.hidden_size, num_target_layers=30, target_layer_ids=[1, 14, 26],
+        target_hidden_size=args.hidden_size, num_target_layers=30, aux_layer_ids=[1, 14, 26],
         block_size=args.block_size, mask_token_id=16,
     )  # fmt: skip
     dtype = getattr(torch, args.dtype)

@@ -33,7 +33,8 @@ import time
 import torch
 
 from eagleforge.batch import TTTBatch, shift_left
-from eagleforge.draft.model import AttentionBackend, DraftArchitecture, Eagle3Draft
+from eagleforge.draft.attention import AttentionBackend
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.targets.teacher import compute_teacher
 

@@ -24,12 +24,10 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from eagleforge.batch import BlockBatch
 from eagleforge.checkpoint import (
     check_identity,
     checkpoint_problem,
     explicit_checkpoint,
-    load_draft_weights,
     newest_checkpoint,
     read_progress,
     read_run_record,
@@ -47,34 +45,15 @@ from eagleforge.data.features import (
 from eagleforge.data.loader import make_loader
 from eagleforge.data.preprocess import DataReport, TokenizedDataset, source_key
 from eagleforge.data.split import build_datasets
-from eagleforge.data.vocab import cached_vocab_map
-from eagleforge.draft.dflash import (
-    BlockModule,
-    DFlashArchitecture,
-    DFlashDraft,
-    anchor_candidates,
-    block_weights,
-    check_block_fits,
-    mask_token_for,
-    select_anchors,
-)
+from eagleforge.data.vocab import VocabMap, cached_vocab_map
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
-from eagleforge.draft.model import (
-    AttentionBackend,
-    DraftArchitecture,
-    DraftFamily,
-    DraftInit,
-    Eagle3Draft,
-)
-from eagleforge.draft.ttt import TTTModule, step_weights
 from eagleforge.errors import CheckpointError, ConfigError
-from eagleforge.formats.check import check_draft, family_problem
-from eagleforge.formats.read import load_sglang
+from eagleforge.families import DraftInputs, family_for
 from eagleforge.optim import apply_master_dtype, build_optimizer
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import shard_draft
 from eagleforge.parallel.tp import tp_axis
-from eagleforge.parallel.usp import SequenceParallel, USPBackend, check_heads, shard_sequence
+from eagleforge.parallel.usp import SequenceParallel
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.speculative.prompts import PromptRenderer
 from eagleforge.targets.base import TargetBackend, release
@@ -86,7 +65,6 @@ from eagleforge.targets.source import (
     load_tokenizer,
     resolve_model_dir,
 )
-from eagleforge.targets.teacher import block_batch, teacher_batch
 from eagleforge.tracking import build_tracker, default_run_name, flatten
 from eagleforge.trainer import Components
 
@@ -206,7 +184,10 @@ def tau_probe(
     renderer = PromptRenderer(
         tokenizer, inputs.processor, config.data.min_pixels, config.data.max_pixels
     )
-    return TauProbe(config.eval, config.trainer.eval_tau_prompts, target, renderer, config.seed)
+    decoder = family_for(config.draft.family).decoder
+    return TauProbe(
+        config.eval, config.trainer.eval_tau_prompts, target, renderer, config.seed, decoder
+    )
 
 
 def resolve_packing(config: EagleForgeConfig, target: Any) -> bool:
@@ -220,24 +201,6 @@ def resolve_packing(config: EagleForgeConfig, target: Any) -> bool:
     if config.data.packing is not None:
         return config.data.packing
     return blocker is None and config.target.supports_packing()
-
-
-def init_from(draft: AnyDraft, path: Path, target_num_layers: int) -> None:
-    """Fine-tune: the draft's weights and vocab map from a checkpoint or a draft exported in
-    any format (by any tool), checked first."""
-    family = DraftFamily.dflash if isinstance(draft, DFlashDraft) else DraftFamily.eagle3
-    mismatch = family_problem(path, family)
-    if mismatch is not None:
-        raise ConfigError(f"model.draft_init={path}: {mismatch}.")
-    problems = check_draft(path, target_num_layers)
-    if problems:
-        raise ConfigError(
-            f"model.draft_init={path}: not a usable draft directory: {'; '.join(problems)}; "
-            "give a checkpoints/step_* directory or a draft exported for this target."
-        )
-    _, tensors = load_sglang(path)
-    load_draft_weights(draft, tensors, path)
-    log.info("draft initialised from %s", path)
 
 
 def resume_from(resume: str, output_dir: Path) -> Path | None:
@@ -329,18 +292,12 @@ class TrainBatches:
         sp: SequenceParallel,
     ) -> None:
         self.data, self.trainer = config.data, config.trainer
-        self.seed, self.teacher_chunk_size = config.seed, config.target.teacher_chunk_size
-        self.ttt_length = config.draft.ttt_length
+        self.seed = config.seed
         self.inputs, self.pad_id, self.packing = inputs, pad_id, packing
-        self.world, self.sp = world, sp
-        self.dflash = config.draft.dflash if isinstance(draft, DFlashDraft) else None
-        if isinstance(draft, Eagle3Draft):
-            # the draft's own map: with model.draft_init it is the initial draft's, not this
-            # data's
-            self.draft_ids_W = draft.draft_to_target_ids(
-                torch.arange(len(draft.d2t), device=world.device)
-            )
-            self.t2d_V = draft.t2d
+        self.world = world
+        self.make = family_for(config.draft.family).batches(
+            draft, config.draft, inputs.target, sp, config.seed, config.target.teacher_chunk_size
+        )
 
     def close(self) -> None:
         """Stop what the target runs outside this process (target=vllm: its engine)."""
@@ -371,81 +328,37 @@ class TrainBatches:
         return self._loader(self.inputs.eval, shuffle_seed=None)
 
     def make_batch(self, batch: dict[str, torch.Tensor], train: bool = True) -> AnyBatch:
-        if self.dflash is not None:
-            return self._block_batch(batch, train)
-        ttt_batch = teacher_batch(
-            self.inputs.target, batch, self.draft_ids_W, self.t2d_V, self.teacher_chunk_size
-        )
-        if self.sp.size > 1:
-            return shard_sequence(ttt_batch, self.sp, self.ttt_length)
-        return ttt_batch
-
-    def _block_batch(self, batch: dict[str, torch.Tensor], train: bool) -> BlockBatch:
-        """A DFlash batch: anchors drawn with the run's RNG in training (its state is in every
-        checkpoint, so a resumed run draws the same), and the same ones at every evaluation
-        (a generator seeded from the run's seed and the batch's tokens)."""
-        assert self.dflash is not None
-        out = block_batch(self.inputs.target, batch)
-        generator = None
-        if not train:
-            seed = self.seed * 1_000_003 + int(out.input_ids_BT.sum())
-            generator = torch.Generator().manual_seed(seed)
-        out.anchors_BN = select_anchors(anchor_candidates(out), self.dflash.num_anchors, generator)
-        return out
-
-
-def build_dflash_draft(
-    config: EagleForgeConfig, inputs: Inputs, world: World, tokenizer: Any
-) -> DFlashDraft:
-    """A DFlash draft for this target, tapping the run's aux layers, reading the target's
-    embedding and lm_head; initialised from ``model.draft_init`` when given; on the device."""
-    target, cfg = inputs.target, config.draft.dflash
-    mask = mask_token_for(cfg.mask_token_id, tokenizer)
-    arch = DFlashArchitecture.from_target(target.config, cfg, target.aux_layer_ids, mask)
-    check_block_fits(arch, config.data.max_length)
-    draft = DFlashDraft(arch)
-    draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
-    if config.model.draft_init:
-        init_from(draft, Path(config.model.draft_init), arch.num_target_layers)
-    draft.to(world.device)
-    draft.set_target_weights(target.input_embedding(), target.lm_head_weight())
-    apply_master_dtype(draft, config.optimizer)
-    return draft
+        """The training module's batch of a collated batch (the target run on it online)."""
+        return self.make(batch, train)
 
 
 def build_draft(
     config: EagleForgeConfig, inputs: Inputs, world: World, tokenizer: Any = None
 ) -> AnyDraft:
-    """The draft for this target, its vocabulary map from the training data's supervised
-    tokens (cached), initialised from ``model.draft_init`` when given; on the device."""
-    if config.draft.family == DraftFamily.dflash:
-        return build_dflash_draft(config, inputs, world, tokenizer)
-    target = inputs.target
-    arch = DraftArchitecture.from_target(target.config, config.draft, target.aux_layer_ids)
-    with world.main_first():  # rank 0 fills the vocab-map cache
-        vocab = cached_vocab_map(
-            inputs.token_samples,
-            arch.vocab_size,
-            arch.draft_vocab_size,
-            inputs.vocab_cache_dir / f"{arch.vocab_size}-{arch.draft_vocab_size}.safetensors",
-        )
-    draft = Eagle3Draft(arch, recompute_mlp=config.draft.recompute_mlp)
-    draft.init_weights(config.draft.init_std, torch.Generator().manual_seed(config.seed))
-    draft.load_embedding(target.input_embedding().detach().cpu())
-    draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
-    if config.model.draft_init:  # every trainable weight comes from there: draft.init is moot
-        init_from(
-            draft, Path(config.model.draft_init), target.config.get_text_config().num_hidden_layers
-        )
-    elif config.draft.init == DraftInit.logit_lens:
-        norm = target.final_norm_weight()
-        if norm is None:
-            raise ConfigError(
-                f"draft.init=logit_lens: target={config.target.backend.value} does not expose "
-                "the target's final norm; use draft.init=random."
+    """The chosen family's draft for this target, initialised (from ``model.draft_init`` when
+    given), on the device, in the optimizer's master dtype."""
+
+    def vocab_map(vocab_size: int, draft_vocab_size: int) -> VocabMap:
+        with world.main_first():  # rank 0 fills the vocab-map cache
+            return cached_vocab_map(
+                inputs.token_samples,
+                vocab_size,
+                draft_vocab_size,
+                inputs.vocab_cache_dir / f"{vocab_size}-{draft_vocab_size}.safetensors",
             )
-        draft.init_logit_lens(norm.detach().cpu(), target.lm_head_weight().detach())
-    draft.to(world.device)
+
+    draft_inputs = DraftInputs(
+        target=inputs.target,
+        target_name=config.target.backend.value,
+        tokenizer=tokenizer,
+        vocab_map=vocab_map,
+        mask_token_id=config.model.mask_token_id,
+        max_length=config.data.max_length,
+        seed=config.seed,
+        device=world.device,
+        draft_init=Path(config.model.draft_init) if config.model.draft_init else None,
+    )
+    draft = family_for(config.draft.family).build(config.draft, draft_inputs)
     apply_master_dtype(draft, config.optimizer)  # optimizer.fp32_master: fp32 or bf16 weights
     return draft
 
@@ -453,34 +366,10 @@ def build_draft(
 def training_module(
     config: EagleForgeConfig, draft: AnyDraft, world: World, sp: SequenceParallel
 ) -> TrainingModule:
-    """The draft with its training forward, sharded over every rank: DFlash's blocks, or
-    EAGLE-3's unrolled TTT with the configured attention backend (sequence-parallel attention
-    over the world's sp ranks under usp)."""
-    if isinstance(draft, DFlashDraft):
-        if sp.size > 1:
-            raise ConfigError(
-                "draft.family=dflash does not train sequence-parallel; set parallel.sp_ulysses "
-                "and parallel.sp_ring to 1."
-            )
-        return shard_draft(BlockModule(draft), world, config.parallel)
-    attention = config.draft.attention_for(world.device)
-    ttt_attention: AttentionBackend | USPBackend = attention
-    if attention == AttentionBackend.usp:
-        arch = draft.arch
-        check_heads(arch.num_attention_heads, arch.num_key_value_heads, sp.ulysses_size)
-        ttt_attention = USPBackend(sp, config.draft.ttt_length)
-    module = TTTModule(
-        draft, config.draft.ttt_length, ttt_attention, config.draft.compile, loss=config.loss
-    )
+    """The draft with its family's training pass, sharded over every rank."""
+    family = family_for(config.draft.family)
+    module = family.training_module(draft, config.draft, config.loss, world.device, sp)
     return shard_draft(module, world, config.parallel)
-
-
-def loss_weights(config: EagleForgeConfig, device: torch.device) -> torch.Tensor:
-    """The loss weight of each TTT step (EAGLE-3) or block slot 1 .. B-1 (DFlash)."""
-    if config.draft.family == DraftFamily.dflash:
-        dflash = config.draft.dflash
-        return block_weights(dflash.block_size, dflash.gamma, device)
-    return step_weights(config.draft.ttt_length, config.draft.step_weight_decay, device)
 
 
 def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components:
@@ -566,7 +455,7 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         optimizer=optimizer,
         scheduler=scheduler,
         tracker=tracker,
-        weights_k=loss_weights(config, world.device),
+        weights_k=family_for(config.draft.family).loss_weights(config.draft, world.device),
         max_grad_norm=config.optimizer.max_grad_norm,
         max_num_steps=max_num_steps,
         world=world,

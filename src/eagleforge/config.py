@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -20,10 +20,12 @@ from omegaconf.errors import OmegaConfBaseException
 from eagleforge.data.config import DataConfig
 from eagleforge.data.features import PrepareConfig
 from eagleforge.data.inspection import InspectConfig
+from eagleforge.draft.attention import AttentionBackend
+from eagleforge.draft.config import DraftConfig
 from eagleforge.draft.loss import LossConfig
-from eagleforge.draft.model import AttentionBackend, DraftConfig, DraftFamily, config_text
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.errors import ConfigError
+from eagleforge.families import family_for, not_applying
 from eagleforge.formats.config import ExportConfig
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import DeviceKind, ParallelConfig
@@ -123,22 +125,15 @@ class EagleForgeConfig:
 
     def _check_draft_family(self) -> None:
         """Settings the chosen draft family never reads are refused, not recorded as if
-        applied: the other family's draft fields, and for DFlash (slot-weighted
-        cross-entropy against the target's tokens) the loss section."""
-        ignored = self.draft.fields_not_applying()
-        if self.draft.family == DraftFamily.dflash and self.loss != LossConfig():
-            default = LossConfig()
-            ignored += [
-                f"loss.{f.name}={config_text(getattr(self.loss, f.name))}"
-                for f in fields(LossConfig)
-                if getattr(self.loss, f.name) != getattr(default, f.name)
-            ]
+        applied: another family's draft fields, and the loss section where the family has its
+        own objective."""
+        family = family_for(self.draft.family)
+        ignored = not_applying(family, self.draft, self.loss)
         if ignored:
-            family = self.draft.family.value
             raise ConfigError(
-                f"{', '.join(ignored)}: not read by draft={family} (docs/dflash.md, "
-                f"docs/training.md); remove {'it' if len(ignored) == 1 else 'them'}, or choose "
-                "the draft family they belong to."
+                f"{', '.join(ignored)}: not read by draft={family.name.value} ({family.docs}); "
+                f"remove {'it' if len(ignored) == 1 else 'them'}, or choose the draft family "
+                f"{'it belongs' if len(ignored) == 1 else 'they belong'} to."
             )
 
     def _check_sglang(self, offline: bool) -> None:

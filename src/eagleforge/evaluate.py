@@ -40,7 +40,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from eagleforge.checkpoint import load_draft_weights
 from eagleforge.config import (
     EagleForgeConfig,
     check_cli_overrides,
@@ -48,19 +47,17 @@ from eagleforge.config import (
     register_configs,
     to_typed,
 )
-from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
 from eagleforge.draft.family import AnyDraft
-from eagleforge.draft.model import Eagle3Draft
 from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, Stopped, exit_on_user_error
 from eagleforge.export import export
+from eagleforge.families import family_of
 from eagleforge.formats.check import load_checked_draft
 from eagleforge.formats.config import ExportConfig
 from eagleforge.formats.kinds import DraftFormat
 from eagleforge.formats.read import read_sglang_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
-from eagleforge.speculative.block_decoder import decoder_for
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import (
     DecodeResult,
@@ -134,24 +131,13 @@ def _step(path: Path) -> int:
 
 
 def load_draft(path: Path, target: HFTarget, device: torch.device) -> AnyDraft:
-    """A draft from its directory (EAGLE-3 in any format, or DFlash), with the target's
-    embedding (and a DFlash draft's lm_head); ConfigError when it was trained for another
-    target."""
+    """A draft from its directory (any family, any format), with what it takes of the target;
+    ConfigError when it was trained for another target."""
     layers = int(target.config.get_text_config().num_hidden_layers)
     arch, tensors = load_checked_draft(path, layers)
-    taps = arch.target_layer_ids if isinstance(arch, DFlashArchitecture) else arch.aux_layer_ids
     check_draft_target(path, target, arch.vocab_size, arch.target_hidden_size)
-    check_draft_taps(path, target, taps)
-    if isinstance(arch, DFlashArchitecture):
-        block = DFlashDraft(arch)
-        load_draft_weights(block, tensors, path)
-        block.to(device)
-        block.set_target_weights(target.input_embedding(), target.lm_head_weight())
-        return block.eval()
-    draft = Eagle3Draft(arch)
-    load_draft_weights(draft, tensors, path)
-    draft.load_embedding(target.input_embedding().detach().float().cpu())
-    return draft.to(device).eval()
+    check_draft_taps(path, target, arch.aux_layer_ids)
+    return family_of(arch).load(arch, tensors, target, path, device)
 
 
 def check_draft_target(path: Path, target: HFTarget, vocab_size: int, hidden_size: int) -> None:
@@ -346,10 +332,13 @@ def export_for_vllm(draft: Path, out: Path) -> Path:
     return export(ExportConfig(draft=str(draft), format=DraftFormat.vllm, output_dir=str(out)))
 
 
-def block_size(draft_dir: Path) -> int | None:
-    """A DFlash draft's block size (None for EAGLE-3): vLLM serves it with method dflash."""
+def vllm_speculative(draft_dir: Path, setting: DecodeSettings) -> dict[str, Any]:
+    """vLLM's speculative config for the exported draft at ``draft_dir`` (its family's
+    method) and a chain of ``setting.num_draft_tokens``."""
     arch = read_sglang_architecture(draft_dir)
-    return arch.block_size if isinstance(arch, DFlashArchitecture) else None
+    return speculative_config(
+        draft_dir, family_of(arch).vllm_method(arch, setting.num_draft_tokens)
+    )
 
 
 def evaluate_with_vllm(
@@ -394,7 +383,7 @@ def evaluate_with_vllm(
                 label = setting.label.replace("/", "-")
                 with VLLMServer(
                     vcfg, model_dir, logs / f"{path.name}-{label}.log", dtype,
-                    speculative=speculative_config(exported, setting, block_size(exported)),
+                    speculative=vllm_speculative(exported, setting),
                     name=f"vLLM ({path.name}, {setting.label})", seed=config.seed,
                 ) as server:  # fmt: skip
                     for prompt_set in sets:
@@ -467,7 +456,7 @@ def run(cfg: DictConfig) -> list[Summary]:
         ecfg.prompt_sets(), ecfg.multi_turn, ecfg.max_prompts, config.data.is_vlm
     )
     arch = read_sglang_architecture(drafts[0][1])
-    taps = arch.target_layer_ids if isinstance(arch, DFlashArchitecture) else arch.aux_layer_ids
+    taps = arch.aux_layer_ids
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data
     if data.is_vlm:  # prompts with images, rendered and processed as training does
@@ -502,8 +491,9 @@ def run(cfg: DictConfig) -> list[Summary]:
             baselines: Baselines | None = {} if ecfg.temperature == 0 else None
             for step, path in drafts:
                 draft = load_draft(path, target, device)
+                family = family_of(draft.arch)
                 for setting in settings:
-                    decoder = decoder_for(target, draft, setting, eos)
+                    decoder = family.decoder(target, draft, setting, eos)
                     for summary in evaluate_sets(
                         config, decoder, renderer, path, step, sets, device, tracker, baselines,
                         sweep,

@@ -25,8 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.atomic import atomic_directory
 from eagleforge.config import check_cli_overrides, conf_dir, register_configs, resolve_cache_dir
-from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.families import family_of
 from eagleforge.files import unwritable_reason
 from eagleforge.formats.check import check_draft
 from eagleforge.formats.config import ExportConfig, ExportDType
@@ -151,10 +151,8 @@ def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch
         if k not in read_tensors or not torch.equal(read_tensors[k], expected[k])
     ]
     problems = check_draft(path)
-    # a DFlash draft's sglang export is vLLM's layout, which both engines load
-    dflash_sglang = isinstance(arch, DFlashArchitecture) and fmt == DraftFormat.sglang
     if (
-        (read_fmt != fmt and not (dflash_sglang and read_fmt == DraftFormat.vllm))
+        read_fmt != family_of(arch).layout(fmt)  # a family may have one layout for all
         or read_arch != arch
         or wrong
         or set(read_tensors) != set(expected)
@@ -164,28 +162,6 @@ def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch
             f"{path}: the export does not read back as written (format {read_fmt.value}, "
             f"tensors differing: {wrong}, problems: {problems}); please report this."
         )
-
-
-def serve_hint(out: Path, fmt: DraftFormat) -> str:
-    if fmt == DraftFormat.sglang:
-        return (
-            "python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {out} --speculative-num-steps 3 "
-            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
-        )
-    return (
-        "vllm serve <target> --speculative-config "
-        f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": 3}}\''
-    )
-
-
-def dflash_serve_hint(out: Path, block_size: int) -> str:
-    """A DFlash directory is served by vLLM with B-1 speculative tokens (SGLang: B draft
-    tokens, --speculative-algorithm DFLASH)."""
-    return (
-        "vllm serve <target> --speculative-config "
-        f'\'{{"method": "dflash", "model": "{out}", "num_speculative_tokens": {block_size - 1}}}\''
-    )
 
 
 def check_main(argv: list[str]) -> int:
@@ -205,11 +181,9 @@ def check_main(argv: list[str]) -> int:
             for problem in problems:
                 print(f"  - {problem}")
         else:
-            if isinstance(read_sglang_architecture(directory), DFlashArchitecture):
-                layout = read_draft(directory)[0].value
-                print(f"{directory}: ok (DFlash, {layout} layout)")
-            else:
-                print(f"{directory}: ok ({read_draft(directory)[0].value} format)")
+            layout = read_draft(directory)[0].value
+            family = family_of(read_sglang_architecture(directory))
+            print(f"{directory}: ok ({family.title}, {layout} format)")
     return status
 
 
@@ -221,10 +195,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     out = export(typed)
     print(f"exported {typed.draft} as {typed.format.value} to {out} (read back and checked)")
     arch = read_sglang_architecture(out)
-    if isinstance(arch, DFlashArchitecture):
-        print(f"serve it: {dflash_serve_hint(out, arch.block_size)}")
-    else:
-        print(f"serve it: {serve_hint(out, typed.format)}")
+    print(f"serve it: {family_of(arch).serve_hint(out, typed.format, arch)}")
 
 
 def main() -> None:

@@ -34,8 +34,9 @@ from eagleforge.config import (
     register_configs,
     to_typed,
 )
-from eagleforge.draft.model import DraftFamily
+from eagleforge.draft.config import DraftFamily
 from eagleforge.errors import EagleForgeError, ResumeRefused
+from eagleforge.families import Family, family_for
 from eagleforge.locking import RUN_DIR_LOCK, exclusive, restore_run_records
 from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.launch import is_main_process
@@ -89,30 +90,26 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
     if world.is_main:
         summary = write_summary(result, output_dir / "summary.json", trainer.max_num_steps)
         tracker.log_artifact(summary)
-        dflash = config.draft.family == DraftFamily.dflash
+        family = family_for(config.draft.family)
         if result.eval_by_step or result.tau_by_step:  # the learning curve
             curve = plot_learning_curve(
                 result.eval_by_step,
                 result.tau_by_step,
                 run_title(config, output_dir),
                 output_dir / "tau_by_step.png",
-                "block slot (acc_0: slot 1)" if dflash else "TTT position",
+                family.positions,
             )
             tracker.log_artifact(curve)
-        print_summary(result, tracker, dflash)
+        print_summary(result, tracker, family)
     tracker.close()
     return result
 
 
 def run_title(config: EagleForgeConfig, output_dir: Path) -> str:
-    """A run in a line: its directory, target, data, draft (TTT length or DFlash block) and
-    loss."""
+    """A run in a line: its directory, target, data, draft (as its family describes it) and
+    optimizer."""
     data = config.data.name + (f" ({config.data.path})" if config.data.path else "")
-    if config.draft.family == DraftFamily.dflash:
-        dflash = config.draft.dflash
-        draft = f"DFlash {dflash.num_layers} layers, block {dflash.block_size}, cross-entropy"
-    else:
-        draft = f"TTT {config.draft.ttt_length}, loss {config.loss.kind.value}"
+    draft = family_for(config.draft.family).describe(config.draft, config.loss)
     return (
         f"{output_dir.name}: {config.model.name} on {data}, {draft}, "
         f"{config.optimizer.kind.value} lr {config.optimizer.lr:g}"
@@ -155,7 +152,8 @@ def write_summary(result: TrainResult, path: Path, max_num_steps: int | None = N
     return path
 
 
-def print_summary(result: TrainResult, tracker: object, dflash: bool = False) -> None:
+def print_summary(result: TrainResult, tracker: object, family: Family | None = None) -> None:
+    family = family or family_for(DraftFamily.eagle3)
     if result.already_complete:
         lines = [
             f"\nThe run is already complete (step {result.step}); nothing to do. Set "
@@ -168,8 +166,7 @@ def print_summary(result: TrainResult, tracker: object, dflash: bool = False) ->
         accs = sorted(
             (int(k.rsplit("_", 1)[1]), v) for k, v in final.items() if k.startswith("eval/acc_")
         )
-        where = "block slot (acc_0: slot 1)" if dflash else "TTT position"
-        lines.append(f"eval accuracy per {where} (untrained -> trained):")
+        lines.append(f"eval accuracy per {family.positions} (untrained -> trained):")
         for position, value in accs:
             before = initial.get(f"eval/acc_{position}")
             prefix = f"{before:.3f} -> " if before is not None else ""
@@ -184,8 +181,7 @@ def print_summary(result: TrainResult, tracker: object, dflash: bool = False) ->
     if result.best_checkpoint is not None:
         lines.append(f"best-tau checkpoint: {result.best_checkpoint}")
     if result.checkpoint is not None:
-        kind = "DFlash draft dir vLLM loads" if dflash else "SGLang draft dir"
-        lines.append(f"checkpoint ({kind}): {result.checkpoint}")
+        lines.append(f"checkpoint ({family.title} draft dir the engines load): {result.checkpoint}")
     if isinstance(tracker, MLflowTracker):
         uri = shlex.quote(tracker.tracking_uri)
         lines.append(f"browse the run: mlflow ui --backend-store-uri {uri}")

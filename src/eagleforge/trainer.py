@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, read_history, save_checkpoint
-from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule, empty_like
+from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
 from eagleforge.draft.ttt import TTTStats, simulated_acceptance_length
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
@@ -443,7 +443,7 @@ class Trainer:
         if not self.world.is_main:
             return None
         if self._replica is None:
-            self._replica = empty_like(self.module.draft)
+            self._replica = self.module.draft.replica()
         self._replica.load_state_dict(tensors)
         return self._replica
 

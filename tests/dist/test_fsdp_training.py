@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from eagleforge.draft.model import AttentionBackend, Eagle3Draft
+from eagleforge.draft.model import Eagle3Draft
+
+from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.muon import MuonConfig
 from eagleforge.optim import OptimizerConfig, OptimizerKind, build_optimizer

@@ -12,7 +12,9 @@ import torch
 from helpers.ranks import run_ranks
 
 from eagleforge.draft.attention import eager_ttt_attention
-from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig
+from eagleforge.draft.model import DraftArchitecture
+from eagleforge.draft.attention import AttentionBackend
+from eagleforge.draft.config import DraftConfig
 from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.errors import ConfigError

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from eagleforge.batch import Teacher, TTTBatch
-from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.targets.hf import HFTarget
 
 # EAGLE-3.1's switches, one at a time and together (fc_norm and norm_before_fc exclude each other)

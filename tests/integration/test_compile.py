@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import (
     count_positions,
     loss_scales,

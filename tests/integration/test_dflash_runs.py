@@ -74,7 +74,7 @@ def random_dflash(target: HFTarget, seed: int, std: float) -> DFlashDraft:
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
         rope_theta=10000.0, max_position_embeddings=64, vocab_size=text.vocab_size,
         target_hidden_size=text.hidden_size, num_target_layers=text.num_hidden_layers,
-        target_layer_ids=list(target.aux_layer_ids), block_size=4,
+        aux_layer_ids=list(target.aux_layer_ids), block_size=4,
         mask_token_id=text.vocab_size - 1,
     )  # fmt: skip
     draft = DFlashDraft(arch)

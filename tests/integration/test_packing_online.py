@@ -11,7 +11,9 @@ import torch
 from eagleforge.config import compose_config, to_typed
 from eagleforge.data.loader import make_loader, pack_indices
 from eagleforge.data.preprocess import TokenizedDataset
-from eagleforge.draft.model import AttentionBackend, DraftArchitecture, DraftConfig, Eagle3Draft
+from eagleforge.draft.attention import AttentionBackend
+from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import count_positions, ttt_forward
 from eagleforge.targets.config import TargetConfig
 from eagleforge.targets.hf import HFTarget

@@ -12,7 +12,7 @@ import torch
 
 from eagleforge.builder import resume_from
 from eagleforge.checkpoint import newest_checkpoint, save_checkpoint
-from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS

@@ -10,7 +10,7 @@ import torch
 
 import eagleforge.checkpoint as checkpoint_module
 from eagleforge.checkpoint import save_checkpoint
-from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError
 from eagleforge.parallel import ParallelDims

@@ -10,7 +10,8 @@ from hydra.errors import ConfigCompositionException
 
 from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
 from eagleforge.data.split import build_datasets
-from eagleforge.draft.model import DraftArchitecture, DraftConfig
+from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import ConfigError
 from eagleforge.targets.source import checked_aux_layer_ids, default_aux_layer_ids
 

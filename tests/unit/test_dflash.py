@@ -41,7 +41,7 @@ def tiny_arch(**changes: object) -> DFlashArchitecture:
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
         max_position_embeddings=256, vocab_size=40, target_hidden_size=32,
-        num_target_layers=6, target_layer_ids=[1, 2, 3], block_size=4, mask_token_id=MASK,
+        num_target_layers=6, aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=MASK,
     )  # fmt: skip
     fields.update(changes)
     return DFlashArchitecture(**fields)  # type: ignore[arg-type]

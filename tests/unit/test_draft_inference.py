@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagleforge.batch import shift_left
-from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import draft_step
 from eagleforge.speculative.runners import DraftRunner
 from helpers.drafts import EAGLE31_VARIANTS, tiny_draft

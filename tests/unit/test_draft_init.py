@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.speculative.runners import DraftRunner
 from eagleforge.targets.head import HeadOnlyTarget
 from helpers.targets import small_vocab_target

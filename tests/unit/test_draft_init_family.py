@@ -1,6 +1,6 @@
 """model.draft_init given the other family's draft (a DFlash draft to draft=eagle3, an EAGLE-3
 draft to draft=dflash) is named as such, with the draft= that takes it, in one line: before the
-target loads (preflight) and where the weights are read (builder.init_from)."""
+target loads (preflight) and where the weights are read (families.init_from)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from eagleforge.builder import init_from
 from eagleforge.config import compose_config, to_typed
+from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
 from eagleforge.errors import ConfigError
+from eagleforge.families import init_from
 from eagleforge.formats.dflash import write_dflash
 from eagleforge.formats.write import export_sglang
 from eagleforge.preflight import check_inputs
@@ -25,7 +26,7 @@ def tiny_dflash() -> DFlashDraft:
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
         max_position_embeddings=64, vocab_size=50, target_hidden_size=12,
-        num_target_layers=6, target_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5,
+        num_target_layers=6, aux_layer_ids=[1, 2, 3], block_size=4, mask_token_id=5,
     )  # fmt: skip
     return DFlashDraft(arch)
 
@@ -41,18 +42,18 @@ def drafts(tmp_path: Path) -> dict[str, Path]:
 
 def test_init_from_names_the_other_family(drafts: dict[str, Path]) -> None:
     with pytest.raises(ConfigError) as info:
-        init_from(tiny_draft(), drafts["dflash"], 6)
+        init_from(tiny_draft(), DraftFamily.eagle3, drafts["dflash"], 6)
     assert str(info.value) == (
         f"model.draft_init={drafts['dflash']}: a DFlash draft, this run trains draft=eagle3; "
         "use draft=dflash, or give an EAGLE-3 draft."
     )
     with pytest.raises(ConfigError) as info:
-        init_from(tiny_dflash(), drafts["eagle3"], 6)
+        init_from(tiny_dflash(), DraftFamily.dflash, drafts["eagle3"], 6)
     assert str(info.value) == (
         f"model.draft_init={drafts['eagle3']}: an EAGLE-3 draft, this run trains draft=dflash; "
         "use draft=eagle3, or give a DFlash draft."
     )
-    init_from(tiny_draft(seed=3), drafts["eagle3"], 6)  # its own family loads
+    init_from(tiny_draft(seed=3), DraftFamily.eagle3, drafts["eagle3"], 6)  # its own family loads
 
 
 def test_preflight_names_the_other_family_before_the_target_loads(

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagleforge.draft.model import DraftArchitecture, DraftConfig, Eagle3Draft
+from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError
 from eagleforge.formats.read import load_sglang
 from eagleforge.formats.write import export_sglang

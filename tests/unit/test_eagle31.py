@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagleforge.draft.model import DraftConfig, Eagle3Draft
+from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError
 from eagleforge.formats.check import check_draft
 from eagleforge.formats.kinds import DraftFormat

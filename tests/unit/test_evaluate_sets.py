@@ -196,7 +196,7 @@ def test_in_training_tau_takes_the_first_prompts_of_every_set() -> None:
     renderer.processor = None  # type: ignore[attr-defined]
     renderer.eos_token_id = 0  # type: ignore[attr-defined]
     target = SimpleNamespace(model=SimpleNamespace(generation_config=None))
-    probe = TauProbe(config.eval, 1, target, renderer, seed=0)  # type: ignore[arg-type]
+    probe = TauProbe(config.eval, 1, target, renderer, seed=0, decoder=None)  # type: ignore[arg-type]
     assert [prompt_id for prompt_id, _, _ in probe.prompts] == ["5", "HumanEval/0"]
     # gsm8k's question follows its five worked examples, as in eagleforge.evaluate
     assert len(renderer.conversations[0]) == 11 and len(renderer.conversations[1]) == 1

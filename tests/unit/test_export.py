@@ -144,7 +144,7 @@ def test_the_validator_names_problems_in_every_format(
     save_file(tensors, str(out / "model.safetensors"))
     assert check_main(["--check", str(out), str(trained), "--target-layers", "4"]) == 1
     report = capsys.readouterr().out
-    assert f"{out}: 3 problem(s)" in report and f"{trained}: ok (sglang format)" in report
+    assert f"{out}: 3 problem(s)" in report and f"{trained}: ok (EAGLE-3, sglang format)" in report
     assert "architectures is ['LlamaForCausalLM']" in report and "no d2t/t2d" in report
     assert f"[2, 3, 9] ({fmt.value} numbering) are outside the target's 0..3" in report
 
@@ -162,7 +162,7 @@ def test_the_command_line(trained: Path, tmp_path: Path) -> None:
         [sys.executable, "-m", "eagleforge.export", "--check", str(out)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert check.returncode == 0 and "ok (vllm format)" in check.stdout
+    assert check.returncode == 0 and "ok (EAGLE-3, vllm format)" in check.stdout
 
 
 def test_speculators_export_needs_to_know_its_verifier(tmp_path: Path) -> None:

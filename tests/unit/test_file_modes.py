@@ -15,7 +15,7 @@ import torch
 from eagleforge.checkpoint import save_checkpoint
 from eagleforge.data.features import write_shard
 from eagleforge.data.vocab import cached_vocab_map
-from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.export import export
 from eagleforge.formats.config import ExportConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleforge.draft.attention import eager_ttt_attention, flex_ttt_attention
-from eagleforge.draft.model import AttentionBackend, DraftConfig
+from eagleforge.draft.attention import AttentionBackend, eager_ttt_attention, flex_ttt_attention
+from eagleforge.draft.config import DraftConfig
 from eagleforge.errors import ConfigError
 
 pytestmark = [

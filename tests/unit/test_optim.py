@@ -15,7 +15,8 @@ import torch
 
 from eagleforge.checkpoint import load_checkpoint, save_checkpoint
 from eagleforge.config import compose_config, to_typed
-from eagleforge.draft.model import AttentionBackend, Eagle3Draft
+from eagleforge.draft.attention import AttentionBackend
+from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.ttt import TTTModule, count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.errors import ConfigError
 from eagleforge.muon import ADAMW, ALGORITHM, MUON, MuonConfig, MuonLrAdjust, split_for_muon

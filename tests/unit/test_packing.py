@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from eagleforge.batch import Teacher, TTTBatch
-from eagleforge.draft.attention import ttt_attention_mask
-from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.attention import AttentionBackend, ttt_attention_mask
 from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
 from helpers.drafts import tiny_draft
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleforge.draft.attention import eager_ttt_attention, sdpa_ttt_attention
-from eagleforge.draft.model import AttentionBackend
+from eagleforge.draft.attention import AttentionBackend, eager_ttt_attention, sdpa_ttt_attention
 from eagleforge.draft.ttt import (
     count_positions,
     loss_scales,

@@ -19,12 +19,25 @@ D head dim.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
 
 from eagleforge.errors import ConfigError
 from eagleforge.layers import causal_document_mask
+
+
+class AttentionBackend(str, Enum):
+    """How the TTT attention is computed (see ``draft/attention.py``)."""
+
+    auto = "auto"  # sdpa on CPU, eager elsewhere
+    eager = "eager"  # materialised [T, steps*T] mask: the reference
+    sdpa = "sdpa"  # PyTorch flash kernel for step-0 keys + log-sum-exp merge of the diagonal
+    flex = "flex"  # flex_attention with a BlockMask (CUDA; on CPU forward only)
+    flash = "flash"  # as sdpa, with the flash-attn package's varlen kernel (CUDA)
+    usp = "usp"  # sequence parallel over the sp ranks: Ulysses all-to-all + ring (offline)
+
 
 FLASH_CUDA_ONLY = (
     "draft.attention=flash runs on CUDA only (the flash-attn package); "

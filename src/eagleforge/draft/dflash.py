@@ -2,7 +2,7 @@
 
 The draft is a few Qwen3-style decoder layers (per-head q/k norms, SwiGLU, a final norm) with
 no embedding or lm_head of its own: it reads the target's, frozen. The target's tapped hidden
-states (``target_layer_ids``, output-of-layer numbering) are fused by ``fc`` and
+states (``aux_layer_ids``, output-of-layer numbering) are fused by ``fc`` and
 ``hidden_norm`` into one context state per position, and every layer projects that context
 with its own ``k_proj``/``v_proj`` (``k_norm`` and RoPE on the keys, no input norm) and puts it
 in front of the block's keys and values. Queries come only from the block.
@@ -120,7 +120,7 @@ class DFlashArchitecture:
     target_hidden_size: int
     num_target_layers: int
     # Tapped target layers, output-of-layer numbering (vLLM reads them +1).
-    target_layer_ids: list[int]
+    aux_layer_ids: list[int]
     block_size: int
     mask_token_id: int
     rope_scaling: dict[str, Any] | None = None
@@ -170,7 +170,7 @@ class DFlashArchitecture:
             vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,
             num_target_layers=text.num_hidden_layers,
-            target_layer_ids=list(target_layer_ids),
+            aux_layer_ids=list(target_layer_ids),
             block_size=cfg.block_size,
             mask_token_id=mask_token_id,
             target_model_type=getattr(text, "model_type", "llama"),
@@ -238,7 +238,7 @@ class DFlashDraft(nn.Module):
     def __init__(self, arch: DFlashArchitecture) -> None:
         super().__init__()
         self.arch = arch
-        taps = len(arch.target_layer_ids)
+        taps = len(arch.aux_layer_ids)
         self.fc = nn.Linear(taps * arch.target_hidden_size, arch.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(arch) for _ in range(arch.num_hidden_layers))
@@ -334,6 +334,13 @@ class DFlashDraft(nn.Module):
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.state_dict())
+
+    def replica(self) -> DFlashDraft:
+        """A draft of the same architecture on the same device, seeing the same target
+        embedding and lm_head (rank 0's whole copy of a sharded draft)."""
+        copy = DFlashDraft(self.arch).to(next(self.parameters()).device)
+        copy.set_target_weights(self.embed_VH, self.lm_head_VH)
+        return copy
 
 
 # --- training -------------------------------------------------------------------------------
@@ -570,14 +577,16 @@ class BlockModule(TrainingModule):
 
 
 def mask_token_for(configured: int | None, tokenizer: Any) -> int:
-    """``draft.dflash.mask_token_id``, else the tokenizer's mask token; ConfigError without one,
+    """``draft.dflash.mask_token_id`` (else ``model.mask_token_id``), else the tokenizer's mask
+    token; ConfigError without one,
     or when it is the pad, bos or eos token."""
     mask = configured if configured is not None else getattr(tokenizer, "mask_token_id", None)
     if mask is None:
         raise ConfigError(
-            "draft.family=dflash needs draft.dflash.mask_token_id: the token id of the masked "
-            "slots, a real but unused row of the target's embedding (an unused special token, "
-            "e.g. 16 <empty_output> for SmolLM2); this tokenizer has no mask token."
+            "draft.family=dflash needs a mask token, the token id of the masked slots: a real "
+            "but unused row of the target's embedding (an unused special token, e.g. 16 "
+            "<empty_output> for SmolLM2); this tokenizer has none. Set model.mask_token_id in "
+            "the model's file (or draft.dflash.mask_token_id for this draft alone)."
         )
     special = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "bos", "eos")}
     for name, token in special.items():

@@ -12,160 +12,16 @@ M-RoPE's (time, height, width) position components of a vision-language target.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagleforge.draft.attention import FLASH_CUDA_ONLY
-from eagleforge.draft.dflash import DFlashConfig
+from eagleforge.draft.config import DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.layers import RMSNorm, SwiGLU, init_trainable, rotate_half
-
-
-class AttentionBackend(str, Enum):
-    """How the TTT attention is computed (see ``draft/attention.py``)."""
-
-    auto = "auto"  # sdpa on CPU, eager elsewhere
-    eager = "eager"  # materialised [T, steps*T] mask: the reference
-    sdpa = "sdpa"  # PyTorch flash kernel for step-0 keys + log-sum-exp merge of the diagonal
-    flex = "flex"  # flex_attention with a BlockMask (CUDA; on CPU forward only)
-    flash = "flash"  # as sdpa, with the flash-attn package's varlen kernel (CUDA)
-    usp = "usp"  # sequence parallel over the sp ranks: Ulysses all-to-all + ring (offline)
-
-
-class DraftFamily(str, Enum):
-    """Which draft is trained (``draft=eagle3|dflash``)."""
-
-    eagle3 = "eagle3"  # one layer, unrolled training-time test (this module, draft/ttt.py)
-    dflash = "dflash"  # a block per forward, the target's states as keys (draft/dflash.py)
-
-
-class DraftInit(str, Enum):
-    """How the draft's trainable weights start (see ``Eagle3Draft.init_logit_lens``)."""
-
-    random = "random"  # normal(0, init_std), as EAGLE-3 and SpecForge do
-    logit_lens = "logit_lens"  # the target's final norm and lm_head over its last aux layer
-
-
-@dataclass
-class DraftConfig:
-    """The `draft` config section: what the user chooses about the draft head."""
-
-    # eagle3 (the fields below) | dflash (``dflash``'s fields; docs/dflash.md).
-    family: DraftFamily = DraftFamily.eagle3
-    # A DFlash draft's shape and training, read when family=dflash.
-    dflash: DFlashConfig = field(default_factory=DFlashConfig)
-
-    # Draft vocabulary size W (tokens the draft can propose); clipped to the target vocab.
-    draft_vocab_size: int = 32000
-    # Number of unrolled training-time-test steps k (tokens predicted ahead per position).
-    ttt_length: int = 7
-    # Weight of TTT step i in the loss is step_weight_decay ** i.
-    step_weight_decay: float = 0.8
-    # TTT attention: auto (sdpa on CPU, eager on CUDA) | eager | sdpa | flash (CUDA) | flex (CUDA)
-    # | usp (sequence parallel over parallel.sp_ulysses x sp_ring ranks, offline).
-    attention: AttentionBackend = AttentionBackend.auto
-    # torch.compile the draft layer step (the first steps are slower while it compiles).
-    compile: bool = False
-    # MLP width of the draft layer; null = the target's intermediate_size.
-    intermediate_size: int | None = None
-    # Std of the normal init of trainable weights (fc, attention, mlp, lm_head).
-    init_std: float = 0.02
-    # random | logit_lens: start in the target's output space: fc passes the last aux layer's
-    # state, the draft layer adds nothing yet, norm and lm_head are the target's (the untrained
-    # draft repeats the target's lens prediction at the previous position; training moves it on).
-    # With model.draft_init, that draft's weights are the start instead.
-    init: DraftInit = DraftInit.random
-    # Recompute each TTT step's MLP in backward instead of keeping its [T, intermediate]
-    # activations: about 3% more step FLOPs for about 4 fewer such tensors per step.
-    recompute_mlp: bool = True
-    # EAGLE-3.1 (arXiv 2605.09992), exactly as vLLM's and SGLang's llama_eagle3 run them:
-    # one RMSNorm per aux layer's state before fc (tensors fc_norm.{0,1,2}.weight).
-    fc_norm: bool = False
-    # One RMSNorm over the concatenated aux states before fc (tensor input_norm.weight, 3x the
-    # target hidden wide; speculators' gpt-oss style); excludes fc_norm.
-    norm_before_fc: bool = False
-    # The hidden state carried to the next draft step is the final norm's output, not its
-    # input (the lm_head reads the same normed state either way).
-    norm_output: bool = False
-    # The decoder layer's residual is hidden_norm(h) rather than h. vLLM honours it; SGLang's
-    # llama_eagle3 always adds the raw h, so `export --check` refuses it for SGLang.
-    norm_before_residual: bool = False
-
-    # The fields above only an EAGLE-3 draft reads (a DFlash draft reads family, init_std
-    # and dflash.*). Not draft_vocab_size: every model file sets it for its target, and a
-    # DFlash draft's config.json records its true vocabulary (the target's).
-    EAGLE3_ONLY = (
-        "ttt_length", "step_weight_decay", "attention", "compile",
-        "intermediate_size", "init", "recompute_mlp", "fc_norm", "norm_before_fc",
-        "norm_output", "norm_before_residual",
-    )  # fmt: skip
-
-    def fields_not_applying(self) -> list[str]:
-        """The fields set away from their defaults that the chosen family never reads, as
-        ``draft.<field>=<value>``: EAGLE-3's under family=dflash, ``draft.dflash.*`` under
-        family=eagle3."""
-        chosen: Any = self
-        default: Any = DraftConfig()
-        names: tuple[str, ...] = self.EAGLE3_ONLY
-        prefix = "draft."
-        if self.family == DraftFamily.eagle3:
-            chosen, default, prefix = self.dflash, DFlashConfig(), "draft.dflash."
-            names = tuple(f.name for f in dataclasses.fields(DFlashConfig))
-        return [
-            f"{prefix}{name}={config_text(getattr(chosen, name))}"
-            for name in names
-            if getattr(chosen, name) != getattr(default, name)
-        ]
-
-    def attention_for(self, device: torch.device) -> AttentionBackend:
-        """The backend to run on ``device``; ConfigError where the chosen one cannot run."""
-        if self.attention == AttentionBackend.auto:
-            return AttentionBackend.sdpa if device.type == "cpu" else AttentionBackend.eager
-        if self.attention == AttentionBackend.flash:
-            if device.type != "cuda":
-                raise ConfigError(FLASH_CUDA_ONLY)
-            if importlib.util.find_spec("flash_attn") is None:
-                raise ConfigError(
-                    "draft.attention=flash needs the flash-attn package: "
-                    "pip install 'eagleforge[flash]' (or choose draft.attention=sdpa)."
-                )
-        if self.attention == AttentionBackend.flex and device.type != "cuda":
-            raise ConfigError(
-                "draft.attention=flex trains on CUDA only (its CPU backward does not exist); "
-                "use draft.attention=sdpa or auto on CPU."
-            )
-        return self.attention
-
-    def __post_init__(self) -> None:
-        if self.draft_vocab_size < 1:
-            raise ConfigError(f"draft.draft_vocab_size must be >= 1, got {self.draft_vocab_size}.")
-        if self.ttt_length < 1:
-            raise ConfigError(f"draft.ttt_length must be >= 1, got {self.ttt_length}.")
-        if not 0.0 < self.step_weight_decay <= 1.0:
-            raise ConfigError(
-                f"draft.step_weight_decay must be in (0, 1], got {self.step_weight_decay}."
-            )
-        if self.fc_norm and self.norm_before_fc:
-            raise ConfigError(
-                "draft.fc_norm and draft.norm_before_fc are two ways to normalise fc's input "
-                "(one norm per aux layer, or one over their concatenation); set one of them."
-            )
-        if self.compile and self.attention == AttentionBackend.usp:
-            raise ConfigError(
-                "draft.compile=true does not combine with draft.attention=usp (its collectives "
-                "run outside torch.compile); set draft.compile=false."
-            )
-
-
-def config_text(value: Any) -> str:
-    """A config value as typed on the command line (an Enum by its value)."""
-    return str(value.value) if isinstance(value, Enum) else str(value)
 
 
 @dataclass
@@ -491,3 +347,8 @@ class Eagle3Draft(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything but the frozen embedding: what checkpoints and exports store."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
+
+    def replica(self) -> Eagle3Draft:
+        """A draft of the same architecture on the same device (rank 0's whole copy of a
+        sharded draft; its weights are loaded into it)."""
+        return Eagle3Draft(self.arch).to(next(self.parameters()).device)

@@ -23,13 +23,14 @@ import torch
 
 from eagleforge.batch import TTTBatch, shift_left
 from eagleforge.draft.attention import (
+    AttentionBackend,
     eager_ttt_attention,
     flash_ttt_attention,
     flex_ttt_attention,
     sdpa_ttt_attention,
 )
 from eagleforge.draft.loss import LossConfig, chunked_loss
-from eagleforge.draft.model import AttentionBackend, Eagle3Draft
+from eagleforge.draft.model import Eagle3Draft
 from eagleforge.draft.training import TrainingModule, TTTStats
 
 # (q, keys, values, valid_BT, document_ids_BT) -> [B, T, N*D], as ``eager_ttt_attention``.

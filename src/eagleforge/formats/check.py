@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.dflash import DFlashArchitecture
-from eagleforge.draft.model import DraftArchitecture, DraftFamily
+from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import ConfigError
 from eagleforge.files import checksum_problem, unreadable_reason
 from eagleforge.formats.dflash import check_dflash, is_dflash, read_dflash

@@ -107,7 +107,7 @@ def dflash_config(arch: DFlashArchitecture, dtype: torch.dtype) -> dict[str, Any
         "target_hidden_size": arch.target_hidden_size,
         "dflash_config": {
             "mask_token_id": arch.mask_token_id,
-            "target_layer_ids": list(arch.target_layer_ids),
+            "target_layer_ids": list(arch.aux_layer_ids),
             "block_size": arch.block_size,
         },
         "eagleforge": {"target_model_type": arch.target_model_type},
@@ -135,7 +135,7 @@ def speculators_dflash_config(
         "draft_vocab_size": arch.vocab_size,
         "target_hidden_size": arch.target_hidden_size,
         "mask_token_id": arch.mask_token_id,
-        "aux_hidden_state_layer_ids": [i + 1 for i in arch.target_layer_ids],
+        "aux_hidden_state_layer_ids": [i + 1 for i in arch.aux_layer_ids],
         "torch_dtype": layer["torch_dtype"],
         "speculators_config": {
             "algorithm": "dflash",
@@ -194,7 +194,7 @@ def dflash_architecture_of(config: dict[str, Any]) -> DFlashArchitecture:
         vocab_size=config["vocab_size"],
         target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
         num_target_layers=config["num_target_layers"],
-        target_layer_ids=list(dflash["target_layer_ids"]),
+        aux_layer_ids=list(dflash["target_layer_ids"]),
         block_size=int(dflash.get("block_size") or config["block_size"]),
         mask_token_id=int(dflash["mask_token_id"]),
         attention_bias=bool(config.get("attention_bias", False)),

@@ -145,15 +145,3 @@ class BlockDecoder(SpeculativeDecoder):
         self.target.keep(length, rows)
         self.context.extend(aux[rows], torch.arange(length, length + len(rows), device=device))
         return torch.tensor(new_tokens[-1])
-
-
-def decoder_for(
-    target: HFTarget,
-    draft: object,
-    settings: DecodeSettings,
-    eos_ids: set[int],
-) -> SpeculativeDecoder:
-    """Our decoder for a draft of either family."""
-    if isinstance(draft, DFlashDraft):
-        return BlockDecoder(target, draft, settings, eos_ids)
-    return SpeculativeDecoder(target, draft, settings, eos_ids)  # type: ignore[arg-type]

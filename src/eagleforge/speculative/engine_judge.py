@@ -52,23 +52,10 @@ class EngineRun:
     counters: SpecCounters | None  # vLLM's counters over the concurrency-1 pass
 
 
-def speculative_config(
-    draft_dir: Path, settings: DecodeSettings, block_size: int | None = None
-) -> dict[str, Any]:
-    """vLLM's ``--speculative-config`` for a chain of ``settings.num_draft_tokens``: an EAGLE-3
-    draft, or with ``block_size`` a DFlash draft, whose block of its token and
-    num_speculative_tokens masks proposes at most block_size - 1 (as our decoder drafts)."""
-    if block_size is not None:
-        return {
-            "method": "dflash",
-            "model": str(draft_dir),
-            "num_speculative_tokens": min(settings.num_draft_tokens, block_size - 1),
-        }
-    return {
-        "method": "eagle3",
-        "model": str(draft_dir),
-        "num_speculative_tokens": settings.num_draft_tokens,
-    }
+def speculative_config(draft_dir: Path, method: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``--speculative-config``: the draft family's ``method`` (its ``method`` and
+    ``num_speculative_tokens``, and whatever else it needs) for the draft at ``draft_dir``."""
+    return {**method, "model": str(draft_dir)}
 
 
 def unsupported_setting(settings: DecodeSettings) -> str | None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eagleforge.draft.family import AnyDraft
-from eagleforge.speculative.block_decoder import decoder_for
-from eagleforge.speculative.config import EvalConfig
-from eagleforge.speculative.decoder import eos_ids
+from eagleforge.speculative.config import DecodeSettings, EvalConfig
+from eagleforge.speculative.decoder import SpeculativeDecoder, eos_ids
 from eagleforge.speculative.prompts import PromptRenderer, load_prompt_sets
 from eagleforge.speculative.report import TurnRecord, summarise
 from eagleforge.targets.hf import HFTarget
@@ -18,7 +19,8 @@ class TauProbe:
     ``cfg.prompts`` (first turns, no baseline), pooled into one τ, with the decoding settings
     of ``cfg``; the same seeds every time, so successive measurements differ only by the
     draft. ``renderer`` renders them as ``eagleforge.evaluate`` does (a benchmark's system
-    prompt or few-shot examples first; images, for a vision-language target)."""
+    prompt or few-shot examples first; images, for a vision-language target); ``decoder`` is
+    the draft family's."""
 
     def __init__(
         self,
@@ -27,8 +29,9 @@ class TauProbe:
         target: HFTarget,
         renderer: PromptRenderer,
         seed: int,
+        decoder: Callable[[HFTarget, AnyDraft, DecodeSettings, set[int]], SpeculativeDecoder],
     ) -> None:
-        self.cfg, self.target, self.seed = cfg, target, seed
+        self.cfg, self.target, self.seed, self.decoder = cfg, target, seed, decoder
         self.eos_ids = eos_ids(renderer.tokenizer, target)
         vlm = renderer.processor is not None
         sets = load_prompt_sets(cfg.prompt_sets(), False, num_prompts, images_allowed=vlm)
@@ -41,7 +44,7 @@ class TauProbe:
 
     def __call__(self, draft: AnyDraft) -> float:
         was_training = draft.training
-        decoder = decoder_for(self.target, draft, self.cfg.settings(), self.eos_ids)
+        decoder = self.decoder(self.target, draft, self.cfg.settings(), self.eos_ids)
         device = self.target.model.device
         records = []
         for index, (prompt_id, ids, images) in enumerate(self.prompts):

@@ -101,6 +101,11 @@ class ModelConfig:
     # Start the draft from these weights (a training checkpoint or an exported SGLang draft
     # directory) instead of a random init; the optimizer starts fresh. null = random init.
     draft_init: str | None = None
+    # A token of this target's vocabulary that never occurs in its training text, for drafts
+    # that feed a placeholder at positions whose token is not known yet (DFlash's masked
+    # slots). A property of the model, so a model file gives it once for every family
+    # (SmolLM2: 16, <empty_output>); null = the tokenizer's mask token.
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.source == ModelSource.pretrained and not self.path:

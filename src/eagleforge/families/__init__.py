@@ -1,0 +1,39 @@
+"""Every draft family, behind one protocol (``base.Family``) and one registry: the builder,
+the entry points and the judge ask here and never name a family. A family is its modules
+under ``draft/`` (and its decoder and layout, where it has its own) plus one line below."""
+
+from __future__ import annotations
+
+from eagleforge.draft.config import DraftFamily
+from eagleforge.errors import ConfigError
+from eagleforge.families.base import DraftInputs, Family, init_from, not_applying
+from eagleforge.families.dflash import DFlashFamily
+from eagleforge.families.eagle3 import Eagle3Family
+
+FAMILIES: dict[DraftFamily, Family] = {
+    DraftFamily.eagle3: Eagle3Family(),
+    DraftFamily.dflash: DFlashFamily(),
+}
+
+__all__ = [
+    "FAMILIES",
+    "DraftInputs",
+    "Family",
+    "family_for",
+    "family_of",
+    "init_from",
+    "not_applying",
+]
+
+
+def family_for(name: DraftFamily) -> Family:
+    """The family ``draft.family`` names."""
+    return FAMILIES[DraftFamily(name)]
+
+
+def family_of(arch: object) -> Family:
+    """The family of a draft directory's architecture (``formats.read``'s)."""
+    for family in FAMILIES.values():
+        if family.owns(arch):
+            return family
+    raise ConfigError(f"no draft family reads a {type(arch).__name__}; please report this.")
