@@ -61,9 +61,9 @@ def build(args: argparse.Namespace) -> tuple[HFTarget, Eagle3Draft, object]:
     device = torch.device("cpu")
     if args.draft:
         from eagleforge.evaluate import load_draft
-        from eagleforge.formats.read import read_sglang_architecture
+        from eagleforge.formats.read import read_architecture
 
-        arch = read_sglang_architecture(args.draft)
+        arch = read_architecture(args.draft)
         target = build_hf_target(
             config.model, config.target, model_dir, device, aux_layer_ids=arch.aux_layer_ids
         )

@@ -387,7 +387,7 @@ def evaluate(work: Path, device: str) -> int:
     from eagleforge.config import compose_config, to_typed
     from eagleforge.evaluate import draft_dirs, evaluate_draft, load_draft
     from eagleforge.evaluate import run as run_evaluator
-    from eagleforge.formats.read import read_sglang_architecture
+    from eagleforge.formats.read import read_architecture
     from eagleforge.parallel import resolve_device
     from eagleforge.speculative.decoder import SpeculativeDecoder, eos_ids
     from eagleforge.speculative.prompts import PromptRenderer
@@ -416,7 +416,7 @@ def evaluate(work: Path, device: str) -> int:
             model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
             renderer = PromptRenderer(load_tokenizer(config.model, model_dir))
             step, path = draft_dirs(str(draft))[-1]
-            aux = read_sglang_architecture(path).aux_layer_ids
+            aux = read_architecture(path).aux_layer_ids
             target = build_hf_target(
                 config.model, config.target, model_dir, device, aux_layer_ids=aux
             )

@@ -1,3 +1,4 @@
-"""eagleforge: train EAGLE-3 speculative-decoding draft heads."""
+"""eagleforge: train speculative-decoding drafts (EAGLE-3 / 3.1 heads, DFlash block drafts)
+for a frozen target LLM, served by vLLM and SGLang."""
 
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
-"""The batch contract every layer shares: what one micro-batch of the TTT holds, and the
-teacher the target gives it. Imports nothing of eagleforge, so data, targets, the draft and
+"""The batch contract every layer shares: what one micro-batch of a draft family's training
+holds (EAGLE-3's TTT, DFlash's blocks), and the teacher the target gives it. Imports nothing of eagleforge, so data, targets, the draft and
 the trainer can all speak it without importing each other.
 
 Shape suffixes: B batch, T sequence, A aux width (3 * target hidden), W draft vocab, 3 M-RoPE

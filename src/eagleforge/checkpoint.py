@@ -36,7 +36,7 @@ from eagleforge.draft.family import AnyDraft, TrainingModule
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError, ResumeRefused
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
-from eagleforge.formats.read import load_sglang
+from eagleforge.formats.read import load_draft_dir
 from eagleforge.formats.write import write_sglang
 from eagleforge.optim import continue_schedule
 from eagleforge.parallel.dist import World
@@ -443,7 +443,7 @@ def load_checkpoint(
     path = Path(checkpoint_dir)
     state = _read_state(path)
     try:
-        _, tensors = load_sglang(path)
+        _, tensors = load_draft_dir(path)
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises many types on bad files

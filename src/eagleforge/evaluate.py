@@ -55,7 +55,7 @@ from eagleforge.families import family_of
 from eagleforge.formats.check import load_checked_draft
 from eagleforge.formats.config import ExportConfig
 from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_sglang_architecture
+from eagleforge.formats.read import read_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.speculative.config import DecodeSettings
@@ -335,7 +335,7 @@ def export_for_vllm(draft: Path, out: Path) -> Path:
 def vllm_speculative(draft_dir: Path, setting: DecodeSettings) -> dict[str, Any]:
     """vLLM's speculative config for the exported draft at ``draft_dir`` (its family's
     method) and a chain of ``setting.num_draft_tokens``."""
-    arch = read_sglang_architecture(draft_dir)
+    arch = read_architecture(draft_dir)
     return speculative_config(
         draft_dir, family_of(arch).vllm_method(arch, setting.num_draft_tokens)
     )
@@ -455,7 +455,7 @@ def run(cfg: DictConfig) -> list[Summary]:
     sets = load_prompt_sets(
         ecfg.prompt_sets(), ecfg.multi_turn, ecfg.max_prompts, config.data.is_vlm
     )
-    arch = read_sglang_architecture(drafts[0][1])
+    arch = read_architecture(drafts[0][1])
     taps = arch.aux_layer_ids
     model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data

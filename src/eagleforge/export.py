@@ -31,7 +31,7 @@ from eagleforge.files import unwritable_reason
 from eagleforge.formats.check import check_draft
 from eagleforge.formats.config import ExportConfig, ExportDType
 from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_draft, read_sglang_architecture
+from eagleforge.formats.read import read_architecture, read_draft
 from eagleforge.formats.write import Verifier, write_draft
 from eagleforge.targets.source import ModelConfig, resolve_model_dir
 
@@ -182,7 +182,7 @@ def check_main(argv: list[str]) -> int:
                 print(f"  - {problem}")
         else:
             layout = read_draft(directory)[0].value
-            family = family_of(read_sglang_architecture(directory))
+            family = family_of(read_architecture(directory))
             print(f"{directory}: ok ({family.title}, {layout} format)")
     return status
 
@@ -194,7 +194,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     assert isinstance(typed, ExportConfig)
     out = export(typed)
     print(f"exported {typed.draft} as {typed.format.value} to {out} (read back and checked)")
-    arch = read_sglang_architecture(out)
+    arch = read_architecture(out)
     print(f"serve it: {family_of(arch).serve_hint(out, typed.format, arch)}")
 
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, read_history, save_checkpoint
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
-from eagleforge.draft.ttt import TTTStats, simulated_acceptance_length
+from eagleforge.draft.ttt import PositionStats, simulated_acceptance_length
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
@@ -113,7 +113,7 @@ class StepSums:
     loss_sum_k: torch.Tensor
     num_counted_k: torch.Tensor
     num_correct_k: torch.Tensor
-    alpha_sum_k: torch.Tensor  # Σ expected acceptance over counted positions (TTTStats)
+    alpha_sum_k: torch.Tensor  # Σ expected acceptance over counted positions (PositionStats)
     num_tokens: int = 0
 
     @classmethod
@@ -125,7 +125,7 @@ class StepSums:
             torch.zeros(num_positions, dtype=torch.float64),
         )
 
-    def add(self, stats: TTTStats | StepSums, tokens: int) -> None:
+    def add(self, stats: PositionStats | StepSums, tokens: int) -> None:
         """Add one micro-batch's stats (or another window's sums) covering ``tokens`` tokens."""
         self.loss_sum_k += stats.loss_sum_k.detach().double().cpu()
         self.num_counted_k += stats.num_counted_k.cpu()

@@ -14,7 +14,7 @@ import torch
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.engine.server import VLLMServer
-from eagleforge.formats.read import read_sglang_architecture
+from eagleforge.formats.read import read_architecture
 from helpers.engine import ENGINE, ENGINE_OVERRIDES
 from helpers.runs import weights
 
@@ -39,7 +39,7 @@ def test_a_checkpoint_served_as_it_is_taps_its_trained_layers(
     served_checkpoint: VLLMServer, smollm2_checkpoint: Path
 ) -> None:
     """vLLM numbers aux layers by their input: it must log eagleforge's ids + 1."""
-    trained = read_sglang_architecture(smollm2_checkpoint).aux_layer_ids
+    trained = read_architecture(smollm2_checkpoint).aux_layer_ids
     logged = re.findall(
         r"Using auxiliary layers from speculative config: \(([\d, ]+)\)",
         served_checkpoint.log_path.read_text(),
@@ -111,7 +111,7 @@ def test_evaluate_judges_the_draft_in_both_engines_losslessly(
         "Eagle3LlamaForCausalLM"
     ]
     log = (tmp_path / "eval" / "vllm" / f"{smollm2_checkpoint.name}-3-1-4.log").read_text()
-    trained = read_sglang_architecture(smollm2_checkpoint).aux_layer_ids
+    trained = read_architecture(smollm2_checkpoint).aux_layer_ids
     assert f"Using auxiliary layers from speculative config: {tuple(i + 1 for i in trained)}" in log
 
 

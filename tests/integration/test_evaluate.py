@@ -135,7 +135,7 @@ def test_evaluate_entry_point_writes_and_logs(
 
 
 def test_training_measures_real_tau_and_keeps_the_best_checkpoint(tmp_path: Path) -> None:
-    from eagleforge.formats.read import load_sglang
+    from eagleforge.formats.read import load_draft_dir
     from eagleforge.train import run as train
 
     result = train(
@@ -157,7 +157,7 @@ def test_training_measures_real_tau_and_keeps_the_best_checkpoint(tmp_path: Path
     assert sorted(result.tau_by_step) == [2, 3]  # every 2 steps and at the end
     assert all(tau >= 1.0 for tau in result.tau_by_step.values())
     assert result.best_checkpoint == tmp_path / "train" / "checkpoints" / "best"
-    load_sglang(result.best_checkpoint)  # a complete draft directory
+    load_draft_dir(result.best_checkpoint)  # a complete draft directory
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert summary["tau_by_step"] == {str(k): v for k, v in result.tau_by_step.items()}
     assert (tmp_path / "train" / "tau_by_step.png").stat().st_size > 0  # the learning curve

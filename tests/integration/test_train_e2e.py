@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from eagleforge.checkpoint import TRAINING_STATE
 from eagleforge.config import compose_config
-from eagleforge.formats.read import load_sglang
+from eagleforge.formats.read import load_draft_dir
 from eagleforge.train import run
 from helpers.runs import tiny_run_overrides
 
@@ -62,7 +62,7 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
     assert state["progress"]["step"] == 4 and "optimizer" in state and "rng" in state
     assert "model:" in (checkpoint / "config.yaml").read_text()
     assert not list(checkpoint.parent.glob(".*"))
-    load_sglang(checkpoint)
+    load_draft_dir(checkpoint)
 
     import mlflow
 
@@ -107,7 +107,7 @@ def test_smollm2_run_learns(tmp_path: Path) -> None:
     result = run(compose_config(overrides))
     assert result.initial_eval["eval/acc_0"] < result.final_eval["eval/acc_0"]
     assert result.final_eval["eval/tau_sim"] > 1.0
-    arch, tensors = load_sglang(result.checkpoint)
+    arch, tensors = load_draft_dir(result.checkpoint)
     assert arch.hidden_size == 576 and arch.vocab_size == 49152 and arch.draft_vocab_size == 8192
     assert arch.aux_layer_ids == [1, 14, 26]
     assert tensors["fc.weight"].shape == (576, 3 * 576)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from eagleforge.draft.config import DraftConfig
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError
-from eagleforge.formats.read import load_sglang
+from eagleforge.formats.read import load_draft_dir
 from eagleforge.formats.write import export_sglang
 
 pytestmark = pytest.mark.unit
@@ -83,7 +83,7 @@ def test_embedding_is_frozen_and_not_exported() -> None:
 
 
 def test_export_sglang_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """export_sglang writes the SGLang config and tensors (no embedding); load_sglang reads them
+    """export_sglang writes the SGLang config and tensors (no embedding); load_draft_dir reads them
     back equal, with the same architecture."""
     draft = built_draft()
     out = export_sglang(draft, tmp_path / "export")
@@ -105,7 +105,7 @@ def test_export_sglang_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-
     assert not any("embed_tokens" in name for name in tensors)
     assert set(tensors) == set(EXPECTED)
 
-    arch, loaded = load_sglang(out)
+    arch, loaded = load_draft_dir(out)
     assert arch.to_dict() == ARCH.to_dict()
     expected = draft.trainable_state_dict()
     assert loaded.keys() == expected.keys()
@@ -118,7 +118,7 @@ def test_exported_weights_load_into_a_fresh_draft(tmp_path) -> None:  # type: ig
     """A fresh Eagle3Draft built from the loaded architecture accepts the tensors strictly
     (except the embedding) and reproduces d2t/t2d."""
     draft = built_draft()
-    arch, tensors = load_sglang(export_sglang(draft, tmp_path))
+    arch, tensors = load_draft_dir(export_sglang(draft, tmp_path))
     fresh = Eagle3Draft(arch)
     missing, unexpected = fresh.load_state_dict(tensors, strict=False)
     assert missing == ["embed_tokens.weight"]

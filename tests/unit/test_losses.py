@@ -24,7 +24,7 @@ from eagleforge.draft.loss import (
     soft_cross_entropy,
 )
 from eagleforge.draft.ttt import (
-    TTTStats,
+    PositionStats,
     count_positions,
     loss_scales,
     step_weights,
@@ -341,7 +341,7 @@ def test_ttt_forward_takes_the_loss_and_reports_alpha() -> None:
 def test_alpha_is_logged_next_to_acc() -> None:
     """train/alpha_i and eval/alpha_i are Σ α over the counted positions of step i."""
     sums = StepSums.zeros(2)
-    stats = TTTStats(
+    stats = PositionStats(
         loss=torch.zeros(()),
         loss_sum_k=torch.ones(2),
         num_counted_k=torch.tensor([4, 2]),

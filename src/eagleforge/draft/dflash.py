@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagleforge.batch import BlockBatch, rows_per_chunk
-from eagleforge.draft.training import TrainingModule, TTTStats
+from eagleforge.draft.training import PositionStats, TrainingModule
 from eagleforge.errors import ConfigError
 from eagleforge.layers import RMSNorm, SwiGLU, init_trainable, rotate_half
 
@@ -502,7 +502,7 @@ def block_forward(
     batch: BlockBatch,
     loss_scale_k: torch.Tensor | None = None,
     loss_chunk_size: int | None = None,
-) -> TTTStats:
+) -> PositionStats:
     """One forward over every block of the batch; per-slot loss sums and counts. Slot k's
     acceptance α is the draft's probability of the label (the target's greedy token in
     regenerated data): Σ_v min(p_v, q_v) against a one-hot target."""
@@ -529,7 +529,7 @@ def block_forward(
     else:
         loss = (rows.loss_n * loss_scale_k.to(slot_n.device)[slot_n]).sum()
     correct = (rows.argmax_n == layout.labels_BQ[counted]).long()
-    return TTTStats(
+    return PositionStats(
         loss=loss,
         loss_sum_k=per_slot.index_add(0, slot_n, rows.loss_n.detach()),
         num_counted_k=counts.index_add(0, slot_n, torch.ones_like(slot_n)),

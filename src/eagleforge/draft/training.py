@@ -11,7 +11,7 @@ from torch import nn
 
 
 @dataclass
-class TTTStats:
+class PositionStats:
     """Per-step sums over one micro-batch; divide by global counts for the loss and accuracy."""
 
     loss: torch.Tensor  # Σ_i scale_i · loss_sum_i, differentiable (0 without loss scales)
@@ -29,11 +29,11 @@ class TrainingModule(nn.Module):
     draft: Any  # the family's draft module (Eagle3Draft, DFlashDraft)
     num_positions: int
 
-    def stats(self, batch: Any, loss_scale_k: torch.Tensor | None = None) -> TTTStats:
+    def stats(self, batch: Any, loss_scale_k: torch.Tensor | None = None) -> PositionStats:
         """This micro-batch's sums; ``loss_scale_k`` (``loss_scales``) makes them a loss.
         ``forward`` returns them as a tuple: FSDP2 hooks the backward through the outputs it
         can flatten."""
-        return TTTStats(*self(batch, loss_scale_k))
+        return PositionStats(*self(batch, loss_scale_k))
 
     def count_positions(self, batch: Any) -> torch.Tensor:
         """Counted positions [num_positions] of a micro-batch (summed for the step's scales)."""

@@ -31,7 +31,7 @@ from eagleforge.draft.attention import (
 )
 from eagleforge.draft.loss import LossConfig, chunked_loss
 from eagleforge.draft.model import Eagle3Draft
-from eagleforge.draft.training import TrainingModule, TTTStats
+from eagleforge.draft.training import PositionStats, TrainingModule
 
 # (q, keys, values, valid_BT, document_ids_BT) -> [B, T, N*D], as ``eager_ttt_attention``.
 AttentionFn = Callable[
@@ -138,7 +138,7 @@ def ttt_forward(
     compile: bool = False,
     loss_chunk_size: int | None = None,
     loss: LossConfig | None = None,
-) -> TTTStats:
+) -> PositionStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts.
 
     ``loss_scale_k`` (see ``loss_scales``) multiplies each step's loss sum in the differentiable
@@ -232,7 +232,7 @@ def ttt_forward(
     )
     per_step = torch.zeros(ttt_length, dtype=torch.long, device=step_n.device)
     per_step_sum = torch.zeros(ttt_length, dtype=out.loss_n.dtype, device=step_n.device)
-    return TTTStats(
+    return PositionStats(
         loss=out.weighted,
         loss_sum_k=per_step_sum.index_add(0, step_n, out.loss_n),
         num_counted_k=per_step.index_add(0, step_n, torch.ones_like(step_n)),
@@ -287,7 +287,7 @@ class TTTModule(TrainingModule):
     def forward(
         self, batch: TTTBatch, loss_scale_k: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        # A tuple of tensors, not TTTStats: FSDP2 hooks the backward through the outputs it
+        # A tuple of tensors, not PositionStats: FSDP2 hooks the backward through the outputs it
         # can flatten.
         stats = ttt_forward(
             self.draft,

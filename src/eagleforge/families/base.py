@@ -26,7 +26,7 @@ from eagleforge.draft.loss import LossConfig
 from eagleforge.errors import ConfigError
 from eagleforge.formats.check import check_draft, family_problem
 from eagleforge.formats.config import DraftFormat
-from eagleforge.formats.read import load_sglang
+from eagleforge.formats.read import load_draft_dir
 from eagleforge.parallel.usp import SequenceParallel
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import SpeculativeDecoder
@@ -168,7 +168,7 @@ def init_from(draft: AnyDraft, family: DraftFamily, path: Path, target_num_layer
             f"model.draft_init={path}: not a usable draft directory: {'; '.join(problems)}; "
             "give a checkpoints/step_* directory or a draft exported for this target."
         )
-    _, tensors = load_sglang(path)
+    _, tensors = load_draft_dir(path)
     load_draft_weights(draft, tensors, path)
     log.info("draft initialised from %s", path)
 

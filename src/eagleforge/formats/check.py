@@ -70,7 +70,7 @@ def family_problem(path: str | Path, family: DraftFamily) -> str | None:
 def load_checked_draft(
     path: str | Path, target_num_layers: int
 ) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
-    """``load_sglang`` after ``check_draft`` (reading the weights once for EAGLE-3);
+    """``load_draft_dir`` after ``check_draft`` (reading the weights once for EAGLE-3);
     ConfigError listing every problem."""
     if _is_dflash_dir(Path(path)):
         problems = check_dflash(path, target_num_layers)

@@ -63,7 +63,7 @@ def read_draft(
     return fmt, architecture_of(config), {from_format(k): v for k, v in tensors.items()}
 
 
-def load_sglang(
+def load_draft_dir(
     path: str | Path,
 ) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
     """Read a draft directory (SGLang, or any format ``read_draft`` knows) back: the
@@ -72,7 +72,7 @@ def load_sglang(
     return arch, tensors
 
 
-def read_sglang_architecture(path: str | Path) -> DraftArchitecture | DFlashArchitecture:
+def read_architecture(path: str | Path) -> DraftArchitecture | DFlashArchitecture:
     """The architecture of a draft directory (either family), from its config.json alone."""
     config = json.loads((Path(path) / "config.json").read_text())
     return dflash_architecture_of(config) if is_dflash(config) else architecture_of(config)
