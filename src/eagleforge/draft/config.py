@@ -16,6 +16,7 @@ import torch
 
 from eagleforge.draft.attention import FLASH_CUDA_ONLY, AttentionBackend
 from eagleforge.draft.dflash import DFlashConfig
+from eagleforge.draft.peagle import PEagleConfig
 from eagleforge.errors import ConfigError
 
 
@@ -24,6 +25,7 @@ class DraftFamily(str, Enum):
 
     eagle3 = "eagle3"  # one layer, unrolled training-time test (this module, draft/ttt.py)
     dflash = "dflash"  # a block per forward, the target's states as keys (draft/dflash.py)
+    peagle = "peagle"  # EAGLE-3 proposing all k tokens in one forward (draft/peagle.py)
 
 
 class DraftInit(str, Enum):
@@ -37,10 +39,14 @@ class DraftInit(str, Enum):
 class DraftConfig:
     """The `draft` config section: what the user chooses about the draft head."""
 
-    # eagle3 (the fields below) | dflash (``dflash``'s fields; docs/dflash.md).
+    # eagle3 (the fields below) | dflash (``dflash``'s fields; docs/dflash.md) | peagle (the
+    # fields below but ttt_length, step_weight_decay and norm_output, and ``peagle``'s;
+    # docs/peagle.md).
     family: DraftFamily = DraftFamily.eagle3
     # A DFlash draft's shape and training, read when family=dflash.
     dflash: DFlashConfig = field(default_factory=DFlashConfig)
+    # A P-EAGLE draft's parallel depths, read when family=peagle (with EAGLE-3's layer fields).
+    peagle: PEagleConfig = field(default_factory=PEagleConfig)
 
     # Draft vocabulary size W (tokens the draft can propose); clipped to the target vocab.
     draft_vocab_size: int = 32000

@@ -576,23 +576,25 @@ class BlockModule(TrainingModule):
         return block_loss_scales(global_counts_k, weights_k)
 
 
-def mask_token_for(configured: int | None, tokenizer: Any) -> int:
+def mask_token_for(
+    configured: int | None, tokenizer: Any, setting: str = "draft.dflash.mask_token_id"
+) -> int:
     """``draft.dflash.mask_token_id`` (else ``model.mask_token_id``), else the tokenizer's mask
     token; ConfigError without one,
     or when it is the pad, bos or eos token."""
     mask = configured if configured is not None else getattr(tokenizer, "mask_token_id", None)
     if mask is None:
         raise ConfigError(
-            "draft.family=dflash needs a mask token, the token id of the masked slots: a real "
-            "but unused row of the target's embedding (an unused special token, e.g. 16 "
-            "<empty_output> for SmolLM2); this tokenizer has none. Set model.mask_token_id in "
-            "the model's file (or draft.dflash.mask_token_id for this draft alone)."
+            f"{setting.split('.')[1]} drafts need a mask token, the token id of the slots still "
+            "to propose: a real but unused row of the target's embedding (an unused special "
+            "token, e.g. 16 <empty_output> for SmolLM2); this tokenizer has none. Set "
+            f"model.mask_token_id in the model's file (or {setting} for this draft alone)."
         )
     special = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "bos", "eos")}
     for name, token in special.items():
         if token is not None and int(token) == int(mask):
             raise ConfigError(
-                f"draft.dflash.mask_token_id={mask} is the tokenizer's {name} token; choose an "
+                f"{setting}={mask} is the tokenizer's {name} token; choose an "
                 "unused special token (a mask must never be read as a real token)."
             )
     return int(mask)

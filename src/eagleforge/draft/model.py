@@ -13,15 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Self
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagleforge.draft.config import DraftConfig
 from eagleforge.errors import ConfigError
 from eagleforge.layers import RMSNorm, SwiGLU, init_trainable, rotate_half
+
+
+class LayerChoices(Protocol):
+    """What the ``draft`` config chooses of an EAGLE-3 draft's layer (``DraftConfig``)."""
+
+    intermediate_size: int | None
+    draft_vocab_size: int
+    fc_norm: bool
+    norm_before_fc: bool
+    norm_output: bool
+    norm_before_residual: bool
 
 
 @dataclass
@@ -55,10 +65,18 @@ class DraftArchitecture:
     norm_before_fc: bool = False
     norm_output: bool = False
     norm_before_residual: bool = False
+    # Parallel drafting (vLLM's parallel_drafting, P-EAGLE): the token fed at the positions
+    # still to be proposed, beside the learned ``mask_hidden`` features. None = a sequential
+    # EAGLE-3 draft.
+    mask_token_id: int | None = None
 
     @classmethod
     def from_target(
-        cls, target_config: Any, draft: DraftConfig, aux_layer_ids: list[int]
+        cls,
+        target_config: Any,
+        draft: LayerChoices,
+        aux_layer_ids: list[int],
+        mask_token_id: int | None = None,
     ) -> DraftArchitecture:
         """Derive the draft's shape from a transformers config of the target.
 
@@ -116,6 +134,7 @@ class DraftArchitecture:
             norm_before_fc=draft.norm_before_fc,
             norm_output=draft.norm_output,
             norm_before_residual=draft.norm_before_residual,
+            mask_token_id=mask_token_id,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,7 +367,7 @@ class Eagle3Draft(nn.Module):
         """Everything but the frozen embedding: what checkpoints and exports store."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
 
-    def replica(self) -> Eagle3Draft:
+    def replica(self) -> Self:
         """A draft of the same architecture on the same device (rank 0's whole copy of a
         sharded draft; its weights are loaded into it)."""
-        return Eagle3Draft(self.arch).to(next(self.parameters()).device)
+        return type(self)(self.arch).to(next(self.parameters()).device)

@@ -138,8 +138,14 @@ def ttt_forward(
     compile: bool = False,
     loss_chunk_size: int | None = None,
     loss: LossConfig | None = None,
+    later_inputs: LaterInputs | None = None,
 ) -> PositionStats:
     """Unroll ``ttt_length`` draft steps over the batch; per-step loss sums and counts.
+
+    Step i at position t reads the token x_{t+i+1} and step i-1's output, at position t+i.
+    With ``later_inputs`` every step after the first reads those inputs instead (the same at
+    every position): a draft that proposes every depth in one forward from placeholders
+    (vLLM's parallel drafting), trained on the same attention pattern and targets.
 
     ``loss_scale_k`` (see ``loss_scales``) multiplies each step's loss sum in the differentiable
     ``stats.loss``; without it (evaluation) no gradients are computed. ``loss`` picks the loss
@@ -200,12 +206,16 @@ def ttt_forward(
     step_n, rows_n, cols_n = counted_kBT.nonzero(as_tuple=True)
     per_step_rows = counted_kBT.sum((1, 2)).tolist()
     step_fn = compiled_draft_step() if compile else draft_step
+    fixed = None if later_inputs is None else later_inputs(input_ids.shape[0], span)
     for step, (rows, cols) in enumerate(
         zip(rows_n.split(per_step_rows), cols_n.split(per_step_rows), strict=True)
     ):
+        ids_BT = shift_left(input_ids, 1 + step)[:, :span]
+        if step and fixed is not None:
+            ids_BT, hidden_BTH = fixed
         hidden_BTH = step_fn(
             draft,
-            shift_left(input_ids, 1 + step)[:, :span],
+            ids_BT,
             hidden_BTH,
             positions + step,
             attention_valid,
@@ -265,6 +275,11 @@ def simulated_acceptance_length(acc_k: list[float]) -> float:
     return tau
 
 
+# (batch, length) -> the token ids [B, T] and hidden states [B, T, H] every step after the
+# first reads (``ttt_forward``'s ``later_inputs``)
+LaterInputs = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
 class TTTModule(TrainingModule):
     """The draft with the unrolled training-time test as its forward."""
 
@@ -297,6 +312,7 @@ class TTTModule(TrainingModule):
             attention=self.attention,
             compile=self.use_compile,
             loss=self.loss,
+            later_inputs=self.later_inputs(),
             **self.ttt_options,
         )
         return (
@@ -306,6 +322,11 @@ class TTTModule(TrainingModule):
             stats.num_correct_k,
             stats.alpha_sum_k,
         )
+
+    def later_inputs(self) -> LaterInputs | None:
+        """What every step after the first reads, where not the next token and the previous
+        step's output (None: EAGLE-3's unrolled test)."""
+        return None
 
     def count_positions(self, batch: TTTBatch) -> torch.Tensor:
         """Counted positions per step (the step's global normalisation sums them)."""

@@ -9,10 +9,12 @@ from eagleforge.errors import ConfigError
 from eagleforge.families.base import DraftInputs, Family, init_from, not_applying
 from eagleforge.families.dflash import DFlashFamily
 from eagleforge.families.eagle3 import Eagle3Family
+from eagleforge.families.peagle import PEagleFamily
 
 FAMILIES: dict[DraftFamily, Family] = {
     DraftFamily.eagle3: Eagle3Family(),
     DraftFamily.dflash: DFlashFamily(),
+    DraftFamily.peagle: PEagleFamily(),
 }
 
 __all__ = [

@@ -46,12 +46,18 @@ class Eagle3Family:
     def describe(self, draft: DraftConfig, loss: LossConfig) -> str:
         return f"TTT {draft.ttt_length}, loss {loss.kind.value}"
 
+    draft_class: type[Eagle3Draft] = Eagle3Draft
+
     def owns(self, arch: object) -> bool:
-        return isinstance(arch, DraftArchitecture)
+        return isinstance(arch, DraftArchitecture) and arch.mask_token_id is None
 
     def architecture(self, cfg: DraftConfig, inputs: DraftInputs) -> DraftArchitecture:
         target = inputs.target
         return DraftArchitecture.from_target(target.config, cfg, target.aux_layer_ids)
+
+    def unroll_length(self, cfg: DraftConfig) -> int:
+        """The steps of the unrolled test: the positions a batch is trained at."""
+        return cfg.ttt_length
 
     def build(self, cfg: DraftConfig, inputs: DraftInputs) -> Eagle3Draft:
         """Its vocabulary map from the training data's supervised tokens (cached); the
@@ -59,7 +65,7 @@ class Eagle3Family:
         target = inputs.target
         arch = self.architecture(cfg, inputs)
         vocab = inputs.vocab_map(arch.vocab_size, arch.draft_vocab_size)
-        draft = Eagle3Draft(arch, recompute_mlp=cfg.recompute_mlp)
+        draft = self.draft_class(arch, recompute_mlp=cfg.recompute_mlp)
         draft.init_weights(cfg.init_std, torch.Generator().manual_seed(inputs.seed))
         draft.load_embedding(target.input_embedding().detach().cpu())
         draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
@@ -83,7 +89,7 @@ class Eagle3Family:
         path: Path,
         device: torch.device,
     ) -> Eagle3Draft:
-        draft = Eagle3Draft(arch)
+        draft = self.draft_class(arch)
         load_draft_weights(draft, tensors, path)
         draft.load_embedding(target.input_embedding().detach().float().cpu())
         return draft.to(device).eval()
@@ -104,8 +110,17 @@ class Eagle3Family:
             check_heads(
                 draft.arch.num_attention_heads, draft.arch.num_key_value_heads, sp.ulysses_size
             )
-            ttt_attention = USPBackend(sp, cfg.ttt_length)
-        return TTTModule(draft, cfg.ttt_length, ttt_attention, cfg.compile, loss=loss)
+            ttt_attention = USPBackend(sp, self.unroll_length(cfg))
+        return self.module(draft, cfg, ttt_attention, loss)
+
+    def module(
+        self,
+        draft: Any,
+        cfg: DraftConfig,
+        attention: AttentionBackend | USPBackend,
+        loss: LossConfig,
+    ) -> TTTModule:
+        return TTTModule(draft, cfg.ttt_length, attention, cfg.compile, loss=loss)
 
     def batches(
         self,
@@ -122,10 +137,11 @@ class Eagle3Family:
             torch.arange(len(draft.d2t), device=draft.d2t.device)
         )
         t2d_V = draft.t2d
+        length = self.unroll_length(cfg)
 
         def make(batch: dict[str, torch.Tensor], train: bool) -> TTTBatch:
             ttt_batch = teacher_batch(target, batch, draft_ids_W, t2d_V, teacher_chunk_size)
-            return shard_sequence(ttt_batch, sp, cfg.ttt_length) if sp.size > 1 else ttt_batch
+            return shard_sequence(ttt_batch, sp, length) if sp.size > 1 else ttt_batch
 
         return make
 

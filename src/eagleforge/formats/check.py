@@ -44,7 +44,19 @@ def _is_dflash_dir(path: Path) -> bool:
         return False  # _inspect names the problem
 
 
-FAMILY_NAMES = {DraftFamily.eagle3: "an EAGLE-3", DraftFamily.dflash: "a DFlash"}
+FAMILY_NAMES = {
+    DraftFamily.eagle3: "an EAGLE-3",
+    DraftFamily.dflash: "a DFlash",
+    DraftFamily.peagle: "a P-EAGLE",
+}
+
+
+def family_in(config: dict[str, Any]) -> DraftFamily:
+    """The family a draft directory's config.json describes."""
+    if is_dflash(config):
+        return DraftFamily.dflash
+    # a parallel-drafting EAGLE-3 draft names the token of its placeholder slots
+    return DraftFamily.peagle if config.get("mask_token_id") is not None else DraftFamily.eagle3
 
 
 def family_problem(path: str | Path, family: DraftFamily) -> str | None:
@@ -52,11 +64,7 @@ def family_problem(path: str | Path, family: DraftFamily) -> str | None:
     (its tensors would not fit, name by name): which family it is and the ``draft=`` that
     takes it. None when it is of ``family``, or unreadable (``check_draft`` names that)."""
     try:
-        found = (
-            DraftFamily.dflash
-            if is_dflash(json.loads((Path(path) / "config.json").read_text()))
-            else DraftFamily.eagle3
-        )
+        found = family_in(json.loads((Path(path) / "config.json").read_text()))
     except (OSError, ValueError):
         return None
     if found == family:
@@ -166,6 +174,7 @@ def _inspect(
             f"{draft_vocab}, hidden_size {hidden})"
         )
     problems += _norm_problems(config, tensors)
+    problems += _mask_hidden_problems(config, tensors)
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     if d2t is None or t2d is None:
         problems.append(
@@ -226,6 +235,27 @@ def _norm_problems(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> 
             problems.append(
                 f"{name} has shape {tuple(tensor.shape)}, expected ({multiple * width},)"
             )
+    return problems
+
+
+def _mask_hidden_problems(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """A parallel-drafting draft (``mask_token_id``) needs its ``mask_hidden`` features, one
+    per aux state width; vLLM refuses it without them and drops them from a sequential one."""
+    mask_hidden, mask_id = tensors.get("mask_hidden"), config.get("mask_token_id")
+    width = config.get("target_hidden_size") or llama_fields(config).get("hidden_size")
+    if mask_id is None:
+        if mask_hidden is None:
+            return []
+        return ["mask_hidden is in the weights but config.json has no mask_token_id"]
+    problems = []
+    if not isinstance(mask_id, int) or not 0 <= mask_id < llama_fields(config).get("vocab_size", 0):
+        problems.append(f"mask_token_id {mask_id!r} is not a token id of the target vocabulary")
+    if mask_hidden is None:
+        problems.append("mask_token_id is set (parallel drafting) but there is no mask_hidden")
+    elif isinstance(width, int) and mask_hidden.numel() != 3 * width:
+        problems.append(
+            f"mask_hidden has shape {tuple(mask_hidden.shape)}, expected (1, 1, {3 * width})"
+        )
     return problems
 
 

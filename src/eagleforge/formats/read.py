@@ -135,4 +135,5 @@ def architecture_of(config: dict[str, Any]) -> DraftArchitecture:
         norm_before_fc=norms["norm_before_fc"],
         norm_output=norms["norm_output"],
         norm_before_residual=norms["norm_before_residual"],
+        mask_token_id=config.get("mask_token_id"),
     )

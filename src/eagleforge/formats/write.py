@@ -12,6 +12,7 @@ import torch
 
 from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
+from eagleforge.errors import ConfigError
 from eagleforge.files import save_safetensors
 from eagleforge.formats.dflash import write_dflash
 from eagleforge.formats.kinds import (
@@ -60,6 +61,7 @@ def sglang_config(arch: DraftArchitecture, dtype: torch.dtype) -> dict[str, Any]
         # them (both default them to false; vLLM's speculators reader defaults
         # norm_before_residual to true, so every format states all four)
         **eagle31_fields(arch),
+        **parallel_drafting_fields(arch),
         "eagleforge": {"target_model_type": arch.target_model_type},
     }
 
@@ -72,6 +74,12 @@ def eagle31_fields(arch: DraftArchitecture) -> dict[str, bool]:
         "fc_norm": arch.fc_norm,
         "norm_output": arch.norm_output,
     }
+
+
+def parallel_drafting_fields(arch: DraftArchitecture) -> dict[str, int]:
+    """A parallel-drafting draft's mask token, where vLLM reads it (its ``mask_hidden`` tensor
+    is among the weights); nothing for a sequential draft."""
+    return {} if arch.mask_token_id is None else {"mask_token_id": arch.mask_token_id}
 
 
 def export_sglang(draft: Eagle3Draft, out_dir: str | Path) -> Path:
@@ -112,6 +120,12 @@ def write_draft(
             return write_dflash(arch, tensors, out_dir)
         verifier = verifier or Verifier(name_or_path="")
         return write_dflash(arch, tensors, out_dir, (verifier.name_or_path, verifier.architectures))
+    if arch.mask_token_id is not None and fmt == DraftFormat.speculators:
+        raise ConfigError(
+            "export.format=speculators writes sequential EAGLE-3 drafts; a parallel-drafting "
+            "draft (mask_token_id) is exported as format=vllm, which vLLM serves with "
+            "parallel_drafting, or format=sglang."
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kept = {
