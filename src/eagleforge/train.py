@@ -34,7 +34,6 @@ from eagleforge.config import (
     register_configs,
     to_typed,
 )
-from eagleforge.draft.config import DraftFamily
 from eagleforge.errors import EagleForgeError, ResumeRefused
 from eagleforge.families import Family, family_for
 from eagleforge.locking import RUN_DIR_LOCK, exclusive, restore_run_records
@@ -152,8 +151,7 @@ def write_summary(result: TrainResult, path: Path, max_num_steps: int | None = N
     return path
 
 
-def print_summary(result: TrainResult, tracker: object, family: Family | None = None) -> None:
-    family = family or family_for(DraftFamily.eagle3)
+def print_summary(result: TrainResult, tracker: object, family: Family) -> None:
     if result.already_complete:
         lines = [
             f"\nThe run is already complete (step {result.step}); nothing to do. Set "

@@ -10,6 +10,8 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from eagleforge.config import check_cli_overrides
+from eagleforge.draft.config import DraftFamily
+from eagleforge.families import FAMILIES
 from eagleforge.tracking import sync_hint
 
 pytestmark = pytest.mark.unit
@@ -53,7 +55,7 @@ def test_the_mlflow_ui_line_pastes_back_whole(
     root = tmp_path / "dir with spaces" / "ünï"
     tracker = build_tracker(TrackerConfig(), root, "run", output_dir=root / "run")
     try:
-        print_summary(TrainResult(step=1), tracker)
+        print_summary(TrainResult(step=1), tracker, FAMILIES[DraftFamily.eagle3])
     finally:
         tracker.close()
     line = capsys.readouterr().out.strip().splitlines()[-1]

@@ -168,6 +168,14 @@ def test_repeated_or_too_few_aux_layers_are_refused() -> None:
         ),
         (["draft=dflash", "loss.kl_decay=3"], "loss.kl_decay=3.0: not read by draft=dflash"),
         (["draft.dflash.block_size=4"], "draft.dflash.block_size=4: not read by draft=eagle3"),
+        (["draft.peagle.num_depths=4"], "draft.peagle.num_depths=4: not read by draft=eagle3"),
+        (
+            ["draft=peagle", "draft.ttt_length=3", "draft.norm_output=true",
+             "draft.dflash.num_layers=2"],
+            "draft.dflash.num_layers=2, draft.ttt_length=3, draft.norm_output=True: not read by "
+            "draft=peagle (docs/peagle.md)",
+        ),
+        (["draft=dflash", "draft.peagle.num_depths=2"], "draft.peagle.num_depths=2: not read by"),
     ],
 )  # fmt: skip
 def test_settings_the_draft_family_never_reads_are_refused(
@@ -179,6 +187,14 @@ def test_settings_the_draft_family_never_reads_are_refused(
     with pytest.raises(ConfigError, match=re.escape(named)) as error:
         to_typed(compose_config([*base, *overrides]))
     assert "\n" not in str(error.value)
+
+
+def test_a_peagle_draft_takes_eagle3s_layer_fields_its_own_and_the_loss() -> None:
+    base = ["+model=smollm2", "data=chitchat", "output_dir=/tmp/unused", "draft=peagle"]
+    typed = to_typed(compose_config([*base, "draft.fc_norm=true", "draft.peagle.num_depths=5",
+                                     "loss=lk_alpha"]))  # fmt: skip
+    assert typed.draft.peagle.num_depths == 5 and typed.draft.fc_norm
+    assert typed.model.mask_token_id == 16  # the model's file names its unused token
 
 
 def test_a_dflash_draft_takes_its_own_and_the_shared_fields() -> None:
