@@ -1,4 +1,4 @@
-"""Train a draft (any family: ``draft=eagle3|dflash``) for a frozen target LLM.
+"""Train a draft (any family: ``draft=eagle3|dflash|peagle``) for a frozen target LLM.
 
     python -m eagleforge.train +model=smollm2 data=chitchat [key=value ...]
     python -m eagleforge.train -m +model=tiny data=chitchat optimizer.lr=1e-4,3e-4   # sweep

@@ -21,7 +21,7 @@ from eagleforge.errors import ConfigError
 
 
 class DraftFamily(str, Enum):
-    """Which draft is trained (``draft=eagle3|dflash``)."""
+    """Which draft is trained (``draft=eagle3|dflash|peagle``)."""
 
     eagle3 = "eagle3"  # one layer, unrolled training-time test (this module, draft/ttt.py)
     dflash = "dflash"  # a block per forward, the target's states as keys (draft/dflash.py)
