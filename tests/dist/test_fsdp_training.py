@@ -199,7 +199,7 @@ def test_dflash_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     the checkpoint)."""
     args = ("draft=dflash", "draft.dflash.num_layers=1", "draft.dflash.block_size=4",
             "draft.dflash.num_anchors=6", "draft.dflash.mask_token_id=16", "data.packing=false",
-            "trainer.save_every_n_steps=2")  # fmt: skip
+            "trainer.save_every_n_steps=2", "draft.ttt_length=7")  # fmt: skip
     full_0, full_1 = run_ranks(train_on_rank, 2, overrides(tmp_path, "full", *args))
     assert full_0[0] == full_1[0]  # the global loss on both ranks
     step_2 = tmp_path / "full" / "checkpoints" / "step_00000002"
@@ -207,5 +207,24 @@ def test_dflash_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     start_from(step_2, tmp_path / "resumed")
     resumed = run_ranks(train_on_rank, 2, overrides(tmp_path, "resumed", *args))[0]
     assert resumed[0] == full_0[0][2:]  # steps 3..4, bit for bit
+    final_full, final_resumed = weights(full_0[2]), weights(resumed[2])
+    assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)
+
+
+@pytest.mark.slow
+def test_peagle_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
+    """draft=peagle sharded over 2 ranks: its placeholder features (a parameter of the draft
+    itself, outside its layers) train through FSDP2, every rank logs the same global loss, and
+    a 2-rank resume from step 2 is bit-identical."""
+    # FSDP_RUN's EAGLE-3 unroll back to its default: P-EAGLE refuses a setting it never reads
+    args = ("draft=peagle", "draft.peagle.num_depths=3", "draft.ttt_length=7",
+            "trainer.save_every_n_steps=2")  # fmt: skip
+    full_0, full_1 = run_ranks(train_on_rank, 2, overrides(tmp_path, "full", *args))
+    assert full_0[0] == full_1[0]
+    step_2 = tmp_path / "full" / "checkpoints" / "step_00000002"
+    assert not torch.equal(weights(full_0[2])["mask_hidden"], weights(step_2)["mask_hidden"])
+    start_from(step_2, tmp_path / "resumed")
+    resumed = run_ranks(train_on_rank, 2, overrides(tmp_path, "resumed", *args))[0]
+    assert resumed[0] == full_0[0][2:]
     final_full, final_resumed = weights(full_0[2]), weights(resumed[2])
     assert all(torch.equal(final_full[k], final_resumed[k]) for k in final_full)

@@ -59,16 +59,23 @@ def test_capture_writes_shards_manifest_and_all_samples(store: Path) -> None:
 
 DFLASH = ("draft=dflash", "draft.dflash.num_layers=1", "draft.dflash.block_size=4",
           "draft.dflash.num_anchors=6", "draft.dflash.mask_token_id=16")  # fmt: skip
+PEAGLE = ("draft=peagle", "draft.peagle.num_depths=3")
 
 
 @pytest.mark.parametrize(
-    ("packing", "draft"), [(True, ()), (False, ()), pytest.param(True, DFLASH, id="dflash")]
+    ("packing", "draft"),
+    [
+        (True, ()),
+        (False, ()),
+        pytest.param(True, DFLASH, id="dflash"),
+        pytest.param(True, PEAGLE, id="peagle"),
+    ],
 )
 def test_offline_training_equals_online(
     tmp_path: Path, store: Path, packing: bool, draft: tuple[str, ...]
 ) -> None:
-    """Same data, seed and steps: the same losses and the same trained weights (an EAGLE-3 and
-    a DFlash draft, which reads the store's aux states as its taps)."""
+    """Same data, seed and steps: the same losses and the same trained weights (an EAGLE-3, a
+    DFlash draft, which reads the store's aux states as its taps, and a P-EAGLE draft)."""
     flag = f"data.packing={str(packing).lower()}"
     online = _train(tmp_path, "online", flag, *draft)
     offline = _train(tmp_path, "offline", flag, f"data.features={store}", *draft)
