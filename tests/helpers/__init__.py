@@ -11,5 +11,8 @@
   real target.
 - ``helpers.targets``: a small-vocabulary random Llama target.
 - ``helpers.masks``: the supervised spans and runs the loss-mask tests compare.
+- ``helpers.engine``: the engine tier's small vLLM settings, and what its tests of trained
+  drafts share (the target's own answers as data, the fp32 evaluation on those prompts, a
+  draft directory with its config.json edited).
 - ``helpers.processes``: a pid that has exited, and the processes below a pid.
 """
