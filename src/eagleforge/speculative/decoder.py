@@ -214,8 +214,7 @@ class SpeculativeDecoder:
         logits, aux = self.target.forward(prompt, prompt_positions, None, images)
         token = self._pick(logits[-1], generator)
         draft_tokens = torch.cat([prompt[1:], torch.tensor([token], device=device)])
-        hidden = self.draft.extend(draft_tokens, aux, prompt_positions)
-        return token, hidden[-1]
+        return token, self._extend_draft(draft_tokens, aux, prompt_positions)
 
     def _commit(
         self, length: int, new_tokens: list[int], rows: list[int], aux: torch.Tensor
@@ -227,9 +226,14 @@ class SpeculativeDecoder:
         device = self.target.device
         self.target.keep(length, rows)
         positions = self.rope(torch.arange(length, length + len(new_tokens), device=device))
-        aux = aux[rows]
-        hidden = self.draft.extend(torch.tensor(new_tokens, device=device), aux, positions)
-        return hidden[-1]
+        return self._extend_draft(torch.tensor(new_tokens, device=device), aux[rows], positions)
+
+    def _extend_draft(
+        self, tokens_M: torch.Tensor, aux_MA: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Commit M pairs (token x_{t+1}, the target's features at t) to the draft's cache;
+        the draft's output at the last of them [H], which the next round drafts from."""
+        return self.draft.extend(tokens_M, aux_MA, positions)[-1]
 
     # --- drafting --------------------------------------------------------------------------------
 

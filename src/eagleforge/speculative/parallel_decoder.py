@@ -18,7 +18,6 @@ from eagleforge.draft.peagle import PEagleDraft
 from eagleforge.errors import ConfigError
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import SpeculativeDecoder
-from eagleforge.speculative.runners import PromptImages
 from eagleforge.speculative.tree import Node
 from eagleforge.targets.hf import HFTarget
 
@@ -52,41 +51,22 @@ class ParallelDecoder(SpeculativeDecoder):
     def draft_passes_per_round(self) -> int:
         return 1
 
-    def _feed(self, tokens_M: torch.Tensor, aux_MA: torch.Tensor, start: int) -> torch.Tensor:
-        """One draft forward over M committed pairs at positions start.. and the placeholder
-        slots after them; commits the M pairs' keys; returns the outputs [M + slots, H]."""
+    def _extend_draft(
+        self, tokens_M: torch.Tensor, aux_MA: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One draft forward over the M committed pairs and the placeholder slots after them
+        (causal); commits the M pairs' keys only. Its outputs from the last pair on propose
+        depths 1 .. n; returns the first of them."""
         runner, draft = self.draft, self.parallel_draft
         ids, hidden = draft.placeholders(1, self.num_slots)
         tokens = torch.cat([tokens_M, ids[0].to(tokens_M.device)])
         hidden_MH = torch.cat([draft.fuse(aux_MA), hidden[0]])
+        slots = positions[-1] + torch.arange(1, self.num_slots + 1, device=positions.device)
         count = len(tokens)
-        positions = self.rope(torch.arange(start, start + count, device=tokens.device))
         causal = torch.ones(count, count, dtype=torch.bool, device=tokens.device).tril()
-        out, k, v = runner.attend(tokens, hidden_MH, positions, None, causal)
-        runner.cached = runner._write(k[:, :, : len(tokens_M)], v[:, :, : len(tokens_M)])
+        out, k, v = runner.attend(tokens, hidden_MH, torch.cat([positions, slots]), None, causal)
+        runner.commit(k[:, :, : len(tokens_M)], v[:, :, : len(tokens_M)])
         self.proposing = out[len(tokens_M) - 1 :]
-        return out
-
-    def _prefill(
-        self, prompt_ids: list[int], generator: torch.Generator, images: PromptImages | None
-    ) -> tuple[int, torch.Tensor]:
-        device = self.target.device
-        self.target.reset()
-        self.draft.reset()
-        prompt = torch.tensor(prompt_ids, device=device)
-        prompt_positions, self.rope = self.target.prompt_positions(prompt, images)
-        logits, aux = self.target.forward(prompt, prompt_positions, None, images)
-        token = self._pick(logits[-1], generator)
-        draft_tokens = torch.cat([prompt[1:], torch.tensor([token], device=device)])
-        self._feed(draft_tokens, aux, 0)
-        return token, self.proposing[0]
-
-    def _commit(
-        self, length: int, new_tokens: list[int], rows: list[int], aux: torch.Tensor
-    ) -> torch.Tensor:
-        self.target.keep(length, rows)
-        tokens = torch.tensor(new_tokens, device=self.target.device)
-        self._feed(tokens, aux[rows], length)
         return self.proposing[0]
 
     def _draft_tree(

@@ -216,8 +216,12 @@ class DraftRunner:
         hidden = self.draft.fuse(features_MA)
         causal = torch.ones(len(tokens_M), len(tokens_M), dtype=torch.bool).tril()
         out, k, v = self.attend(tokens_M, hidden, positions, None, causal.to(tokens_M.device))
-        self.cached = self._write(k, v)  # committed
+        self.commit(k, v)
         return out
+
+    def commit(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the keys and values of the next positions in the cache."""
+        self.cached = self._write(k, v)
 
     def log_probs(self, hidden_MH: torch.Tensor, temperature: float) -> torch.Tensor:
         """Draft log-probabilities [M, W] (at ``temperature``; 1 when 0: greedy ranks)."""
