@@ -61,7 +61,7 @@ def build(args: argparse.Namespace) -> tuple[HFTarget, Eagle3Draft, object]:
     device = torch.device("cpu")
     if args.draft:
         from eagleforge.evaluate import load_draft
-        from eagleforge.formats.read import read_architecture
+        from eagleforge.formats.directory import read_architecture
 
         arch = read_architecture(args.draft)
         target = build_hf_target(

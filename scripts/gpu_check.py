@@ -387,7 +387,7 @@ def evaluate(work: Path, device: str) -> int:
     from eagleforge.config import compose_config, to_typed
     from eagleforge.evaluate import draft_dirs, evaluate_draft, load_draft
     from eagleforge.evaluate import run as run_evaluator
-    from eagleforge.formats.read import read_architecture
+    from eagleforge.formats.directory import read_architecture
     from eagleforge.parallel import resolve_device
     from eagleforge.speculative.decoder import SpeculativeDecoder, eos_ids
     from eagleforge.speculative.prompts import PromptRenderer

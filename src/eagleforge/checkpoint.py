@@ -36,8 +36,8 @@ from eagleforge.draft.family import AnyDraft, TrainingModule
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError, ResumeRefused
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
-from eagleforge.formats.read import load_draft_dir
-from eagleforge.formats.write import write_sglang
+from eagleforge.formats.directory import load_draft_dir, write_draft
+from eagleforge.formats.kinds import DraftFormat
 from eagleforge.optim import continue_schedule
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import (
@@ -289,7 +289,7 @@ def _write(
 ) -> None:
     try:
         with atomic_directory(final, replace=True, durable=True) as tmp:
-            write_sglang(arch, tensors, tmp)
+            write_draft(arch, tensors, tmp, DraftFormat.sglang)
             torch.save(state, tmp / TRAINING_STATE)
             (tmp / "config.yaml").write_text(config_yaml)
             record = record or run_record({}, [])

@@ -52,10 +52,9 @@ from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
 from eagleforge.errors import ConfigError, Stopped, exit_on_user_error
 from eagleforge.export import export
 from eagleforge.families import family_of
-from eagleforge.formats.check import load_checked_draft
 from eagleforge.formats.config import ExportConfig
+from eagleforge.formats.directory import load_checked_draft, read_architecture
 from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_architecture
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.speculative.config import DecodeSettings

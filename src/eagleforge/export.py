@@ -28,11 +28,9 @@ from eagleforge.config import check_cli_overrides, conf_dir, register_configs, r
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.families import family_of
 from eagleforge.files import unwritable_reason
-from eagleforge.formats.check import check_draft
 from eagleforge.formats.config import ExportConfig, ExportDType
-from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_architecture, read_draft
-from eagleforge.formats.write import Verifier, write_draft
+from eagleforge.formats.directory import check_draft, read_architecture, read_draft, write_draft
+from eagleforge.formats.kinds import DraftFormat, Verifier
 from eagleforge.targets.source import ModelConfig, resolve_model_dir
 
 log = logging.getLogger(__name__)

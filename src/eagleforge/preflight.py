@@ -27,7 +27,7 @@ from eagleforge.data.corpora import check_hub_source
 from eagleforge.data.sources import config_hub_source, mixture_hub_source
 from eagleforge.errors import ConfigError, DataError
 from eagleforge.files import unwritable_reason
-from eagleforge.formats.check import family_problem
+from eagleforge.formats.directory import family_problem
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.targets.source import check_model_path
 from eagleforge.tracking import (

@@ -29,7 +29,7 @@ def smollm2_checkpoint(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """An untrained draft for SmolLM2 as training writes its checkpoints (SGLang layout, the
     ids vLLM reads beside them): its proposals are almost all rejected, which is what a
     lossless check wants."""
-    from eagleforge.formats.write import write_sglang
+    from eagleforge.formats.eagle3 import export_sglang
     from eagleforge.targets.config import TargetConfig
     from eagleforge.targets.hf import HFTarget
     from helpers.drafts import random_draft
@@ -38,6 +38,4 @@ def smollm2_checkpoint(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFacto
         smollm2_dir, TargetConfig(), torch.float32, torch.device("cpu")
     )
     draft = random_draft(target, 4096, 0.02, seed=0)
-    return write_sglang(
-        draft.arch, draft.state_dict(), tmp_path_factory.mktemp("draft") / "step_00000000"
-    )
+    return export_sglang(draft, tmp_path_factory.mktemp("draft") / "step_00000000")

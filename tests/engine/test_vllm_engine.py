@@ -14,7 +14,7 @@ import torch
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.engine.server import VLLMServer
-from eagleforge.formats.read import read_architecture
+from eagleforge.formats.directory import read_architecture
 from helpers.engine import ENGINE, ENGINE_OVERRIDES
 from helpers.runs import weights
 
@@ -134,7 +134,7 @@ def test_an_eagle31_draft_decodes_in_vllm_as_in_our_decoder(
     every position what eagleforge's decoder accepts: an engine that skipped or misplaced a
     norm would propose other tokens."""
     from eagleforge.evaluate import run
-    from eagleforge.formats.write import write_sglang
+    from eagleforge.formats.eagle3 import export_sglang
     from eagleforge.targets.config import TargetConfig
     from eagleforge.targets.hf import HFTarget
     from helpers.drafts import lens_draft
@@ -143,7 +143,7 @@ def test_an_eagle31_draft_decodes_in_vllm_as_in_our_decoder(
         smollm2_dir, TargetConfig(), torch.float32, torch.device("cpu")
     )
     draft = lens_draft(target, 8192, seed=0, **switches)
-    path = write_sglang(draft.arch, draft.state_dict(), tmp_path / "step_00000000")
+    path = export_sglang(draft, tmp_path / "step_00000000")
     summaries = run(compose_config([
         "+model=smollm2", "model.dtype=float32", f"eval.draft={path}", "eval.engine=[hf,vllm]",
         "eval.prompts=mtbench_style", "eval.max_prompts=3", "eval.max_new_tokens=32",

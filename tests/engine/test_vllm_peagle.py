@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from eagleforge.config import compose_config
-from eagleforge.formats.read import read_architecture
+from eagleforge.formats.directory import read_architecture
 from helpers.engine import edited_copy, evaluate_on_smollm2, the_targets_answers
 from helpers.runs import tiny_run_overrides
 

@@ -135,7 +135,7 @@ def test_evaluate_entry_point_writes_and_logs(
 
 
 def test_training_measures_real_tau_and_keeps_the_best_checkpoint(tmp_path: Path) -> None:
-    from eagleforge.formats.read import load_draft_dir
+    from eagleforge.formats.directory import load_draft_dir
     from eagleforge.train import run as train
 
     result = train(

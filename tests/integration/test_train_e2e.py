@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from eagleforge.checkpoint import TRAINING_STATE
 from eagleforge.config import compose_config
-from eagleforge.formats.read import load_draft_dir
+from eagleforge.formats.directory import load_draft_dir
 from eagleforge.train import run
 from helpers.runs import tiny_run_overrides
 

@@ -16,7 +16,7 @@ from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import CHECKSUMS
-from eagleforge.formats.check import check_draft, load_checked_draft
+from eagleforge.formats.directory import check_draft, load_checked_draft
 from eagleforge.parallel import ParallelDims
 from eagleforge.parallel.dist import World
 from helpers.drafts import tiny_draft

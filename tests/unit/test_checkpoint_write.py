@@ -33,7 +33,7 @@ def test_a_library_error_mid_write_is_a_checkpoint_error(
     def file_too_large(*_: object, **__: object) -> None:
         raise RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
 
-    monkeypatch.setattr(checkpoint_module, "write_sglang", file_too_large)
+    monkeypatch.setattr(checkpoint_module, "write_draft", file_too_large)
     with pytest.raises(CheckpointError, match=r"step_00000002: could not write .*File too large"):
         save_checkpoint(tmp_path / "step_00000002", *args)
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]

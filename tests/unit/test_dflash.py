@@ -252,9 +252,8 @@ def test_check_names_what_vllm_would_load_wrongly(tmp_path: Path) -> None:
 
 def test_the_speculators_layout_reads_back_as_vllm_reads_it(tmp_path: Path) -> None:
     from eagleforge.formats.dflash import as_engine_config, dflash_config
-    from eagleforge.formats.kinds import DraftFormat
-    from eagleforge.formats.read import read_draft
-    from eagleforge.formats.write import Verifier, write_draft
+    from eagleforge.formats.directory import read_draft, write_draft
+    from eagleforge.formats.kinds import DraftFormat, Verifier
 
     draft = tiny_draft()
     verifier = Verifier("HuggingFaceTB/SmolLM2-135M-Instruct", ["LlamaForCausalLM"])

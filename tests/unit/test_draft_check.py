@@ -12,9 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagleforge.errors import CheckpointError, ConfigError
-from eagleforge.formats.check import check_draft, load_checked_draft
-from eagleforge.formats.read import read_draft
-from eagleforge.formats.write import export_sglang
+from eagleforge.formats.directory import check_draft, load_checked_draft, read_draft
+from eagleforge.formats.eagle3 import export_sglang
 from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit

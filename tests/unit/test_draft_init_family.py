@@ -14,7 +14,7 @@ from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
 from eagleforge.errors import ConfigError
 from eagleforge.families import init_from
 from eagleforge.formats.dflash import write_dflash
-from eagleforge.formats.write import export_sglang
+from eagleforge.formats.eagle3 import export_sglang
 from eagleforge.preflight import check_inputs
 from helpers.drafts import tiny_draft
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from eagleforge.draft.config import DraftConfig
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import ConfigError
-from eagleforge.formats.read import load_draft_dir
-from eagleforge.formats.write import export_sglang
+from eagleforge.formats.directory import load_draft_dir
+from eagleforge.formats.eagle3 import export_sglang
 
 pytestmark = pytest.mark.unit
 

@@ -16,10 +16,8 @@ from safetensors.torch import load_file, save_file
 from eagleforge.draft.config import DraftConfig
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError
-from eagleforge.formats.check import check_draft
+from eagleforge.formats.directory import check_draft, read_draft, write_draft
 from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_draft
-from eagleforge.formats.write import write_draft
 from helpers.drafts import EAGLE31_VARIANTS, tiny_arch, tiny_draft
 
 pytestmark = pytest.mark.unit

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagleforge.formats.write import export_sglang
+from eagleforge.formats.eagle3 import export_sglang
 from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit

@@ -14,11 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from eagleforge.errors import ConfigError
 from eagleforge.export import check_main, export
-from eagleforge.formats.check import check_draft
 from eagleforge.formats.config import ExportConfig, ExportDType
+from eagleforge.formats.directory import check_draft, read_draft
+from eagleforge.formats.eagle3 import export_sglang
 from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_draft
-from eagleforge.formats.write import export_sglang
 from helpers.drafts import tiny_draft
 
 pytestmark = pytest.mark.unit

@@ -177,7 +177,7 @@ def test_each_command_names_the_place_it_cannot_write(
 
 
 def test_export_names_its_output_dir(tmp_path: Path, blocker: Path) -> None:
-    from eagleforge.formats.write import export_sglang
+    from eagleforge.formats.eagle3 import export_sglang
     from helpers.drafts import tiny_draft
 
     draft = export_sglang(tiny_draft(), tmp_path / "step_00000001")

@@ -16,10 +16,8 @@ from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.peagle import PEagleConfig, PEagleDraft, depth_loss_scales, depth_weights
 from eagleforge.errors import ConfigError
 from eagleforge.families import FAMILIES, family_for, family_of
-from eagleforge.formats.check import check_draft, family_problem
+from eagleforge.formats.directory import check_draft, family_problem, read_draft, write_draft
 from eagleforge.formats.kinds import DraftFormat
-from eagleforge.formats.read import read_draft
-from eagleforge.formats.write import write_draft
 from helpers.drafts import tiny_arch, tiny_draft
 
 pytestmark = pytest.mark.unit

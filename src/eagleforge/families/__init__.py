@@ -34,7 +34,7 @@ def family_for(name: DraftFamily) -> Family:
 
 
 def family_of(arch: object) -> Family:
-    """The family of a draft directory's architecture (``formats.read``'s)."""
+    """The family of a draft directory's architecture (``formats.directory.read_architecture``'s)."""
     for family in FAMILIES.values():
         if family.owns(arch):
             return family

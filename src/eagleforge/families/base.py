@@ -24,9 +24,8 @@ from eagleforge.draft.config import DraftConfig, DraftFamily, config_text
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
 from eagleforge.draft.loss import LossConfig
 from eagleforge.errors import ConfigError
-from eagleforge.formats.check import check_draft, family_problem
 from eagleforge.formats.config import DraftFormat
-from eagleforge.formats.read import load_draft_dir
+from eagleforge.formats.directory import check_draft, family_problem, load_draft_dir
 from eagleforge.parallel.usp import SequenceParallel
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import SpeculativeDecoder

@@ -1,6 +1,6 @@
 """Draft directories that serving engines load: SGLang, vLLM and speculators formats.
 
-Every format is a directory with ``config.json`` and ``model.safetensors`` (no embedding: the
+Every EAGLE-3 format is a directory with ``config.json`` and ``model.safetensors`` (no embedding: the
 engine shares the target's) holding ``fc.weight``, the decoder layer, ``norm.weight``,
 ``lm_head.weight``, ``d2t`` and ``t2d``. They differ in names and in the numbering of the aux
 layers:
@@ -16,9 +16,13 @@ decoder layer), like SGLang. vLLM collects a layer's *input* (the previous layer
 so its numbers are one higher: the same three hidden states are [1, 15, 28] for SGLang and
 [2, 16, 29] for vLLM on a 32-layer target.
 
-- ``kinds``: the three formats (``DraftFormat``) and their architecture names.
-- ``write``: writing a draft directory in a format.
+The modules split by family, each owning its layout's writing, reading and checking:
+
+- ``eagle3``: an EAGLE-3 draft (and P-EAGLE's, the same layout with ``mask_token_id`` and
+  ``mask_hidden``) in the three formats.
+- ``dflash``: a DFlash draft, in the one layout vLLM and SGLang load, or speculators'.
+- ``directory``: a draft directory of either family -- which one its config.json holds, and
+  reading, writing and checking it through that family's module (``export --check``).
+- ``kinds``: the three formats (``DraftFormat``), their architecture names, the verifier.
 - ``config``: the ``export`` config section (``python -m eagleforge.export``).
-- ``read``: reading one back in any format (format, architecture, tensors).
-- ``check``: every problem that would make a draft from any tool load wrongly.
 """

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.errors import CheckpointError
 from eagleforge.files import checksum_problem, save_safetensors, unreadable_reason
-from eagleforge.formats.kinds import dtype_name
+from eagleforge.formats.kinds import DraftFormat, Verifier, dtype_name
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
@@ -158,20 +158,24 @@ def write_dflash(
     arch: DFlashArchitecture,
     tensors: dict[str, torch.Tensor],
     out_dir: str | Path,
-    speculators_verifier: tuple[str, list[str]] | None = None,
+    fmt: DraftFormat = DraftFormat.vllm,
+    verifier: Verifier | None = None,
 ) -> Path:
-    """Write a DFlash draft directory from the draft's state dict: the layout vLLM and SGLang
-    load, or with ``speculators_verifier`` (the target's name or path and architectures)
-    speculators' config over the same tensors."""
+    """Write a DFlash draft directory from the draft's state dict: one layout, which vLLM and
+    SGLang both load (``fmt`` sglang or vllm), or speculators' config over the same tensors
+    naming ``verifier``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kept = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_safetensors(kept, out / "model.safetensors", metadata={"format": "pt"})
     dtype = kept["fc.weight"].dtype
-    if speculators_verifier is None:
+    if fmt != DraftFormat.speculators:
         config = dflash_config(arch, dtype)
     else:
-        config = speculators_dflash_config(arch, dtype, *speculators_verifier)
+        verifier = verifier or Verifier(name_or_path="")
+        config = speculators_dflash_config(
+            arch, dtype, verifier.name_or_path, verifier.architectures
+        )
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 

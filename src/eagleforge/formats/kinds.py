@@ -1,8 +1,10 @@
 """The three draft formats (``DraftFormat``): their architecture names, layer tensor prefixes
-and aux layer numbering (the table in ``eagleforge.formats``)."""
+and aux layer numbering (the table in ``eagleforge.formats``); the verifier a speculators
+draft names."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -41,3 +43,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
         dtype, "float32"
     )
+
+
+@dataclass
+class Verifier:
+    """The target a speculators-format draft names (``speculators_config.verifier``)."""
+
+    name_or_path: str
+    architectures: list[str] = field(default_factory=list)
