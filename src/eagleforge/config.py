@@ -25,7 +25,7 @@ from eagleforge.draft.config import DraftConfig
 from eagleforge.draft.loss import LossConfig
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.errors import ConfigError
-from eagleforge.families import family_for, not_applying
+from eagleforge.families import check_model_draft_defaults, family_for, not_applying
 from eagleforge.formats.config import ExportConfig
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import DeviceKind, ParallelConfig
@@ -88,6 +88,7 @@ class EagleForgeConfig:
     def __post_init__(self) -> None:
         """Checks that span sections (each section checks its own fields)."""
         self._check_draft_family()
+        check_model_draft_defaults(self.model.draft_defaults)
         parallel, offline = self.parallel, bool(self.data.features)
         if parallel.tp > 1 and offline:
             raise ConfigError(

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
 from eagleforge.data.split import build_datasets
-from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.config import DraftConfig, DraftFamily
+from eagleforge.draft.dflash import DFlashConfig
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import ConfigError
+from eagleforge.families import family_for
 from eagleforge.targets.source import checked_aux_layer_ids, default_aux_layer_ids
 
 pytestmark = pytest.mark.unit
@@ -201,3 +204,61 @@ def test_a_dflash_draft_takes_its_own_and_the_shared_fields() -> None:
     base = ["+model=smollm2", "data=chitchat", "output_dir=/tmp/unused", "draft=dflash"]
     typed = to_typed(compose_config([*base, "draft.init_std=0.01", "draft.dflash.num_layers=2"]))
     assert typed.draft.dflash.num_layers == 2 and typed.draft.draft_vocab_size == 8192
+
+
+def _dflash_shape(*overrides: str) -> tuple[int, int, int, dict[str, int]]:
+    """(num_layers, block_size, num_anchors) as typed, and draft.dflash as config.yaml records
+    it (the resolved container)."""
+    cfg = compose_config(["data=chitchat", "output_dir=/tmp/unused", *overrides])
+    d = to_typed(cfg).draft.dflash
+    recorded = OmegaConf.to_container(cfg, resolve=True)["draft"]["dflash"]  # type: ignore[index]
+    return d.num_layers, d.block_size, d.num_anchors, recorded
+
+
+def test_a_dflash_draft_takes_the_shape_its_model_file_gives_and_records_it() -> None:
+    """+model=smollm2 draft=dflash trains the shape that fits 2 CPU cores, not the 8-GPU
+    recipe's; a command's field wins; a model file without one gets the published shape."""
+    *shape, recorded = _dflash_shape("+model=smollm2", "draft=dflash")
+    assert shape == [2, 8, 32]
+    assert (recorded["num_layers"], recorded["block_size"], recorded["num_anchors"]) == (2, 8, 32)
+    assert _dflash_shape("+model=smollm2", "draft=dflash", "draft.dflash.num_layers=3")[:3] == (
+        3, 8, 32,
+    )  # fmt: skip
+    published = DFlashConfig()
+    assert _dflash_shape("+model=llama3", "draft=dflash")[:3] == (
+        published.num_layers, published.block_size, published.num_anchors,
+    )  # fmt: skip
+    # another family reads none of it
+    to_typed(compose_config(["+model=smollm2", "data=chitchat", "output_dir=/tmp/unused"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("+model.draft_defaults.dflash.num_layer=2",
+         "model.draft_defaults.dflash.num_layer: draft=dflash takes num_layers, block_size, "
+         "num_anchors from a model file"),
+        ("+model.draft_defaults.eagle3.ttt_length=2",
+         "model.draft_defaults.eagle3.ttt_length: draft=eagle3 takes no setting"),
+        ("+model.draft_defaults.dflsh.num_layers=2",
+         "model.draft_defaults.dflsh: not a draft family; the families are"),
+    ],
+)  # fmt: skip
+def test_a_model_file_default_no_family_takes_is_refused(override: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)) as error:
+        to_typed(compose_config(["+model=tiny", "data=chitchat", "output_dir=/tmp/u", override]))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("family", list(DraftFamily), ids=lambda f: f.value)
+def test_each_family_file_reads_from_the_model_exactly_what_it_takes(family: DraftFamily) -> None:
+    """conf/draft/<family>.yaml interpolates model.draft_defaults.<family>.<field> for each
+    field the family's model_defaults names, falling back to the dataclass default (so the
+    published shape is written once, in code, and the yaml agrees with it)."""
+    text = (conf_dir() / "draft" / f"{family.value}.yaml").read_text()
+    found = dict(re.findall(rf"\$\{{oc\.select:model\.draft_defaults\.{family.value}\.(\w+),"
+                            r"([^}]+)\}", text))  # fmt: skip
+    assert sorted(found) == sorted(family_for(family).model_defaults)
+    if found:
+        section = getattr(DraftConfig(), family.value)
+        assert {k: str(getattr(section, k)) for k in found} == found

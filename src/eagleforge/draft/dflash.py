@@ -70,7 +70,9 @@ class DFlashConfig:
     and the feature store capture), so a store prepared for EAGLE-3 trains DFlash as it is.
     """
 
-    # Decoder layers of the draft (the published recipe's 5; 1-2 train on a CPU).
+    # Decoder layers of the draft (the published recipe's 5; 1-2 train on a CPU). These three
+    # are the published shape; draft=dflash takes a model file's model.draft_defaults.dflash
+    # instead, where it gives them (the shape that fits a small target).
     num_layers: int = 5
     # Tokens per block B: one verified token and B-1 proposals (vLLM's
     # num_speculative_tokens = B-1, SGLang's speculative-num-draft-tokens = B).

@@ -23,6 +23,7 @@ __all__ = [
     "Family",
     "family_for",
     "family_of",
+    "check_model_draft_defaults",
     "init_from",
     "not_applying",
 ]
@@ -31,6 +32,25 @@ __all__ = [
 def family_for(name: DraftFamily) -> Family:
     """The family ``draft.family`` names."""
     return FAMILIES[DraftFamily(name)]
+
+
+def check_model_draft_defaults(draft_defaults: dict[str, dict[str, object]]) -> None:
+    """A model file's ``draft_defaults`` name a family's section and fields it takes from there
+    (conf/draft/<family>.yaml reads them); anything else would never apply: ConfigError
+    naming it."""
+    for section, fields in draft_defaults.items():
+        where = f"model.draft_defaults.{section}"
+        family = next((f for f in FAMILIES.values() if f.name.value == section), None)
+        if family is None:
+            names = ", ".join(f.value for f in FAMILIES)
+            raise ConfigError(f"{where}: not a draft family; the families are {names}.")
+        for name in fields:
+            if name not in family.model_defaults:
+                taken = ", ".join(family.model_defaults) or "no setting"
+                raise ConfigError(
+                    f"{where}.{name}: draft={section} takes {taken} from a model file; remove "
+                    "it, or set it in the draft section of the command or experiment."
+                )
 
 
 def family_of(arch: object) -> Family:

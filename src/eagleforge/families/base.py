@@ -65,6 +65,9 @@ class Family(Protocol):
     reads: tuple[str, ...]
     reads_loss: bool
     docs: str  # the docs page of its settings
+    # the fields of its section a model file may fit to its target
+    # (``model.draft_defaults.<section>.<field>``, interpolated by conf/draft/<family>.yaml)
+    model_defaults: tuple[str, ...]
 
     def describe(self, draft: DraftConfig, loss: LossConfig) -> str:
         """The draft in a run title: its shape and loss."""

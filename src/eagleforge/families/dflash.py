@@ -44,6 +44,9 @@ class DFlashFamily:
     reads: tuple[str, ...] = ("draft.dflash", "draft.init_std", "draft.draft_vocab_size")
     reads_loss = False  # slot-weighted cross-entropy against the target's tokens
     docs = "docs/dflash.md"
+    # the published shape (5 layers, blocks of 16, 512 anchors) costs a 135M target on a
+    # CPU minutes a step and GBs of logits
+    model_defaults: tuple[str, ...] = ("num_layers", "block_size", "num_anchors")
 
     def describe(self, draft: DraftConfig, loss: LossConfig) -> str:
         cfg = draft.dflash

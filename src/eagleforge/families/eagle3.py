@@ -42,6 +42,7 @@ class Eagle3Family:
     reads: tuple[str, ...] = EAGLE3_FIELDS
     reads_loss = True
     docs = "docs/training.md"
+    model_defaults: tuple[str, ...] = ()  # its fields are flat under draft.*, a model file's own
 
     def describe(self, draft: DraftConfig, loss: LossConfig) -> str:
         return f"TTT {draft.ttt_length}, loss {loss.kind.value}"

@@ -106,6 +106,11 @@ class ModelConfig:
     # slots). A property of the model, so a model file gives it once for every family
     # (SmolLM2: 16, <empty_output>); null = the tokenizer's mask token.
     mask_token_id: int | None = None
+    # The draft shapes that fit this target, by family section (``dflash: {num_layers: 2}``):
+    # a family's own defaults are its published recipe's (8B targets on GPUs), so a small
+    # target's file gives what trains on it. Applied where the run does not set the field;
+    # which fields a family takes from here is its ``model_defaults``.
+    draft_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.source == ModelSource.pretrained and not self.path:
