@@ -10,7 +10,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv vllm demo quality test test-all test-quality lint format bench mlflow-server clean gpu-wheels gpu-check-dry-run
+.PHONY: help venv vllm demo quality test test-all test-quality lint format bench mlflow-server slurm slurm-stop clean gpu-wheels gpu-check-dry-run
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -143,6 +143,15 @@ mlflow-server: $(STAMP) ## Serve MLflow for shared tracking on 127.0.0.1:5000 (M
 		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) --workers 1 \
 		--backend-store-uri sqlite:///$(abspath $(MLFLOW_DIR))/mlflow.db \
 		--artifacts-destination $(abspath $(MLFLOW_DIR))/mlartifacts $(MLFLOW_SERVER_ARGS)
+
+# A one-node SLURM cluster on this machine, to try `-m hydra/launcher=slurm_cpu` (docs/scaling.md):
+# munged, slurmctld and slurmd on 127.0.0.1, all their files in .slurm/ (SLURM_DIR= elsewhere);
+# SLURM's commands reach it with SLURM_CONF=.slurm/slurm.conf. As root it installs slurm-wlm.
+slurm: ## Start a one-node SLURM cluster here: partitions debug (default) and urgent (preempts)
+	@bash scripts/slurm_cluster.sh start
+
+slurm-stop: ## Cancel the cluster's jobs and stop the daemons `make slurm` started
+	@bash scripts/slurm_cluster.sh stop
 
 # The GPU acceptance check (docs/performance.md#gpu-acceptance-check): what the GPU image lacks,
 # downloaded here for Python 3.12 on x86-64 Linux, carried to the GPU machine (64 MiB at most).

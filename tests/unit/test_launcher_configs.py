@@ -1,5 +1,6 @@
 """conf/hydra/launcher/: the SLURM launcher writes one task per GPU and asks for the requeue
-signal; both launcher files compose with the installed hydra-submitit-launcher."""
+signal, its CPU shape (slurm_cpu) one task of one core and no GPU; every launcher file composes
+with the installed hydra-submitit-launcher."""
 
 from __future__ import annotations
 
@@ -123,3 +124,31 @@ def test_local_launcher_keeps_submitit_files_in_the_sweep_dir(tmp_path: Path) ->
     assert job.result() == 3
     assert [p for p in tmp_path.rglob("*") if "%" in p.name] == []
     assert (tmp_path / "sweep" / ".submitit" / f"{job.job_id}_0_log.out").is_file()
+
+
+def test_slurm_cpu_launcher_asks_for_one_core_and_no_gpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """hydra/launcher=slurm_cpu: what `make slurm`'s cluster (and any CPU partition) can run,
+    with slurm.yaml's requeue settings."""
+    cfg = launcher_config("slurm_cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.gpus_per_node, launcher.tasks_per_node, launcher.cpus_per_task) == (0, 1, 1)
+    assert (launcher.mem_gb, launcher.timeout_min, launcher.partition) == (4, 60, None)
+    assert (launcher.signal_delay_s, launcher.max_num_timeout) == (300, 20)
+    script, executor = sbatch_script(cfg, monkeypatch, tmp_path)
+    lines = script.splitlines()
+    for line in (
+        "#SBATCH --gpus-per-node=0",  # accepted where no node has GPUs (make slurm's)
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --mem=4GB",
+        "#SBATCH --time=60",
+        "#SBATCH --signal=USR2@300",
+        "export OMP_NUM_THREADS=1",
+    ):
+        assert line in lines, (line, script)
+    assert "--gres" not in script
+    assert "#SBATCH --partition" not in script  # the cluster's default partition
+    assert executor.max_num_timeout == 20
