@@ -31,9 +31,7 @@ import numpy as np
 import torch
 
 from eagleforge.atomic import atomic_directory, is_disk_full
-from eagleforge.draft.dflash import DFlashArchitecture
-from eagleforge.draft.family import AnyDraft, TrainingModule
-from eagleforge.draft.model import DraftArchitecture
+from eagleforge.draft.family import AnyArchitecture, AnyDraft, TrainingModule
 from eagleforge.errors import CheckpointError, ConfigError, ResumeRefused
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
 from eagleforge.formats.directory import load_draft_dir, write_draft
@@ -281,7 +279,7 @@ def save_checkpoint(
 
 def _write(
     final: Path,
-    arch: DraftArchitecture | DFlashArchitecture,
+    arch: AnyArchitecture,
     tensors: dict[str, torch.Tensor],
     state: dict[str, Any],
     config_yaml: str,

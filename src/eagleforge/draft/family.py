@@ -6,10 +6,12 @@ exported and served -- is ``eagleforge.families``'s."""
 from __future__ import annotations
 
 from eagleforge.batch import BlockBatch, TTTBatch
-from eagleforge.draft.dflash import DFlashDraft
-from eagleforge.draft.model import Eagle3Draft
+from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
+from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.training import TrainingModule
 
 AnyDraft = Eagle3Draft | DFlashDraft
 AnyBatch = TTTBatch | BlockBatch
-__all__ = ["AnyBatch", "AnyDraft", "TrainingModule"]
+# a draft's shape as its config.json holds it (P-EAGLE's is EAGLE-3's, with a mask token)
+AnyArchitecture = DraftArchitecture | DFlashArchitecture
+__all__ = ["AnyArchitecture", "AnyBatch", "AnyDraft", "TrainingModule"]

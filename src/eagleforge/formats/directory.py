@@ -13,7 +13,7 @@ import torch
 
 from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.dflash import DFlashArchitecture
-from eagleforge.draft.model import DraftArchitecture
+from eagleforge.draft.family import AnyArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import unreadable_reason
 from eagleforge.formats.dflash import (
@@ -68,7 +68,7 @@ def _holds_dflash(path: str | Path) -> bool:
 
 def read_draft(
     path: str | Path,
-) -> tuple[DraftFormat, DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+) -> tuple[DraftFormat, AnyArchitecture, dict[str, torch.Tensor]]:
     """A draft directory of either family in any layout: its format, architecture and tensors
     (eagleforge names). A DFlash draft reads as vllm (the layout vLLM and SGLang load) or
     speculators."""
@@ -81,20 +81,20 @@ def read_draft(
 
 def load_draft_dir(
     path: str | Path,
-) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+) -> tuple[AnyArchitecture, dict[str, torch.Tensor]]:
     """A draft directory's architecture and tensors (``read_draft`` without the format)."""
     _, arch, tensors = read_draft(path)
     return arch, tensors
 
 
-def read_architecture(path: str | Path) -> DraftArchitecture | DFlashArchitecture:
+def read_architecture(path: str | Path) -> AnyArchitecture:
     """The architecture of a draft directory (either family), from its config.json alone."""
     config = _config(path)
     return dflash_architecture_of(config) if is_dflash(config) else architecture_of(config)
 
 
 def write_draft(
-    arch: DraftArchitecture | DFlashArchitecture,
+    arch: AnyArchitecture,
     tensors: dict[str, torch.Tensor],
     out_dir: str | Path,
     fmt: DraftFormat,
@@ -119,7 +119,7 @@ def check_draft(path: str | Path, target_num_layers: int | None = None) -> list[
 
 def load_checked_draft(
     path: str | Path, target_num_layers: int
-) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+) -> tuple[AnyArchitecture, dict[str, torch.Tensor]]:
     """``load_draft_dir`` once ``check_draft`` finds no problem; ConfigError listing every
     problem."""
     if not _holds_dflash(path):
