@@ -98,11 +98,15 @@ quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that p
 
 # where vLLM builds, the engine tier must run (a missing environment fails it, not skips it)
 REQUIRE_ENGINE := EAGLEFORGE_REQUIRE_ENGINE=$(if $(ENGINE_OK),1,0)
-test: $(STAMP) $(ENGINE_ENV) ## Run the test suite, the vLLM engine tier included (CPU; gpu tests skip without CUDA)
-	$(OFFLINE) $(REQUIRE_ENGINE) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+# where `make slurm` can start a cluster (Linux, and SLURM installed or root with apt-get), the
+# slurm tier must run: its fixture starts the cluster and fails, not skips, where that fails
+SLURM_OK := $(shell [ "$$(uname -s)" = Linux ] && { command -v slurmctld >/dev/null && command -v munged >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; }; } && echo yes)
+REQUIRE_SLURM := EAGLEFORGE_REQUIRE_SLURM=$(if $(SLURM_OK),1,0)
+test: $(STAMP) $(ENGINE_ENV) ## Run the test suite, the vLLM engine and SLURM tiers included (CPU; gpu tests skip without CUDA)
+	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_SLURM) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP) $(ENGINE_ENV) ## Run every test tier, slow ones included
-	$(OFFLINE) $(REQUIRE_ENGINE) $(PY) -m pytest $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_SLURM) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~10 min)
 	$(OFFLINE) $(PY) -m pytest -m quality -s $(PYTEST_ARGS)

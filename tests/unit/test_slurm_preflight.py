@@ -6,6 +6,7 @@ accounting, submitit follows its jobs through squeue. The cluster is a stand-in 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +30,16 @@ MAKE_SLURM = "debug*|vm|2|24105|(null)\nurgent|vm|2|24105|(null)\n"
 def _no_hydra_config_left() -> Iterator[None]:
     yield
     HydraConfig.instance().cfg = None  # type: ignore[assignment]
+
+
+@pytest.fixture(autouse=True)
+def _submitit_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preflight replaces submitit's watcher and wraps SlurmJob.results in this process:
+    both restored after each test."""
+    from submitit.slurm.slurm import SlurmJob
+
+    monkeypatch.setattr(SlurmJob, "watcher", SlurmJob.watcher)
+    monkeypatch.setattr(SlurmJob, "results", SlurmJob.results)
 
 
 def sweep_config(launcher: str, *overrides: str) -> DictConfig:
@@ -121,7 +132,6 @@ def test_without_accounting_submitit_follows_jobs_through_squeue(
 
     from eagleforge.parallel.squeue import SqueueWatcher
 
-    monkeypatch.setattr(SlurmJob, "watcher", SlurmJob.watcher)  # restored after the test
     monkeypatch.setattr(slurm, "read_cluster", lambda: cpu_cluster(accounting=True))
     SlurmPreflight().on_multirun_start(sweep_config("slurm_cpu"))
     assert not isinstance(SlurmJob.watcher, SqueueWatcher)
@@ -133,8 +143,54 @@ def test_without_accounting_submitit_follows_jobs_through_squeue(
     watcher.register_job("12")
     watcher.register_job("13_0")
     command = watcher._make_command()
-    assert command is not None and command[0] == "squeue" and command[-1] == "--jobs=12,13"
+    # all of the user's jobs: `squeue --jobs=` fails when none of its ids exists any more
+    assert command is not None and command[0] == "squeue" and "--states=all" in command
     info = watcher.read_info(b"12|CONFIGURING|vm\n13_0|CANCELLED|vm\n13_[1-2]|PENDING|\n")
     assert info["12"]["State"] == "RUNNING"  # not over, though submitit does not know the name
     assert info["13_0"]["State"] == "CANCELLED"
     assert info["13_2"]["State"] == "PENDING"
+
+
+def test_a_job_squeue_has_forgotten_has_ended(tmp_path: Path) -> None:
+    """squeue lists a job until MinJobAge after its end: a job this process waits for that it
+    no longer lists has ended, where submitit would keep the last state it read forever."""
+    from eagleforge.parallel.squeue import VANISHED, SqueueWatcher
+
+    watcher = SqueueWatcher()
+    for job in ("12", "13_0", "13_1"):
+        watcher.register_job(job)
+    watcher._make_command()
+    info = watcher.read_info("13_1|RUNNING|vm\n99|RUNNING|vm\n")
+    assert info["12"]["State"] == info["13_0"]["State"] == VANISHED
+    assert info["13_1"]["State"] == "RUNNING"
+    watcher._info_dict.update(info)
+    assert watcher.is_done("12", mode="cache") and not watcher.is_done("13_1", mode="cache")
+
+
+def test_a_job_without_result_ends_the_command_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job killed by SIGKILL writes no result: submitit raises UncompletedJobError with the
+    log's tail, which Hydra would print with a traceback; the command ends in one line."""
+    from submitit.core.utils import UncompletedJobError
+    from submitit.slurm.slurm import SlurmJob
+
+    from eagleforge.parallel.squeue import SqueueWatcher, report_jobs_without_result
+
+    def no_result(self: SlurmJob) -> list[Any]:
+        raise UncompletedJobError("Job 17 (task: 0) has not produced any output\n" + "log\n" * 40)
+
+    watcher = SqueueWatcher()
+    monkeypatch.setattr(SlurmJob, "watcher", watcher)
+    monkeypatch.setattr(SlurmJob, "results", no_result)
+    report_jobs_without_result()
+    report_jobs_without_result()  # once is enough: not wrapped twice
+    job: SlurmJob = SlurmJob(folder=tmp_path / "%j", job_id="17")
+    watcher._info_dict["17"] = {"State": "FAILED"}
+    with pytest.raises(SystemExit) as ended:
+        job.results()
+    assert ended.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("error: SLURM job 17 ended without a result (state FAILED): ")
+    assert err.rstrip().endswith(f"its log: {tmp_path / '17' / '17_0_log.out'}")

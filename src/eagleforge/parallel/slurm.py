@@ -15,7 +15,9 @@ cluster can run what it asks for, and how the command that waits for the jobs fo
 - On a cluster that keeps no accounting (``AccountingStorageType=accounting_storage/none``,
   as ``make slurm``'s), every ``sacct`` call submitit makes to follow its jobs fails and
   prints "Slurm accounting storage is disabled"; job states are read from ``squeue`` there
-  instead (``eagleforge.parallel.squeue``).
+  instead (``eagleforge.parallel.squeue``), which also sees a job that squeue has forgotten.
+- A job that ends without a result (killed, cancelled, out of memory) ends the command in one
+  line naming the job and its log, instead of submitit's error and a traceback.
 """
 
 from __future__ import annotations
@@ -164,14 +166,17 @@ def request_problem(launcher: Any, cluster: Cluster) -> str | None:
 
 
 class SlurmPreflight(Callback):
-    """Hydra callback: a sweep for SLURM is checked against the cluster before sbatch, and
-    followed through squeue where the cluster keeps no accounting. Other launchers, and
-    single runs, are left alone."""
+    """Hydra callback: a sweep for SLURM is checked against the cluster before sbatch,
+    followed through squeue where the cluster keeps no accounting, and a job of it without a
+    result is reported in one line. Other launchers, and single runs, are left alone."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         launcher = config.hydra.launcher
         if launcher.get("_target_") != SLURM_LAUNCHER:
             return
+        from eagleforge.parallel.squeue import report_jobs_without_result
+
+        report_jobs_without_result()
         cluster = read_cluster()
         if cluster is None:
             return  # no cluster answers here: sbatch will say what is wrong
