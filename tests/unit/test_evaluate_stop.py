@@ -21,10 +21,12 @@ pytestmark = pytest.mark.unit
 
 # evaluate's main, with the target's loading replaced by the signal under test
 SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 from eagleforge import evaluate
 
 signum = int(sys.argv[1])
+# Ctrl-C as at a terminal, also where this test runs in a background job (SIGINT ignored there)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def load_target(*args, **kwargs):
     os.kill(os.getpid(), signum)
