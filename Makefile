@@ -151,8 +151,10 @@ mlflow-server: $(STAMP) ## Serve MLflow for shared tracking on 127.0.0.1:5000 (M
 # A one-node SLURM cluster on this machine, to try `-m hydra/launcher=slurm_cpu` (docs/scaling.md):
 # munged, slurmctld and slurmd on 127.0.0.1, all their files in .slurm/ (SLURM_DIR= elsewhere);
 # SLURM's commands reach it with SLURM_CONF=.slurm/slurm.conf. As root it installs slurm-wlm.
+# NETNS_NODES=2: and two more nodes (partition multi), each a slurmd in its own network namespace
+# on a bridge (10.77.0.0/24), for multi-node jobs; without it, what runs keeps its nodes.
 slurm: ## Start a one-node SLURM cluster here: partitions debug (default) and urgent (preempts)
-	@bash scripts/slurm_cluster.sh start
+	@bash scripts/slurm_cluster.sh start $(if $(NETNS_NODES),--netns-nodes $(NETNS_NODES))
 
 slurm-stop: ## Cancel the cluster's jobs and stop the daemons `make slurm` started
 	@bash scripts/slurm_cluster.sh stop

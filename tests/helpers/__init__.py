@@ -15,4 +15,5 @@
   drafts share (the target's own answers as data, the fp32 evaluation on those prompts, a
   draft directory with its config.json edited).
 - ``helpers.processes``: a pid that has exited, and the processes below a pid.
+- ``helpers.slurm``: ``Cluster``, the SLURM cluster the slurm tier found or started.
 """

@@ -1,7 +1,9 @@
 """Training jobs on a real SLURM cluster (this machine's, ``make slurm``): submitted through
 hydra-submitit-launcher (``-m hydra/launcher=slurm_cpu``) and ``launchers/slurm.sbatch``,
 requeued, time-limited, preempted and killed, each resumed run ending bitwise where an
-uninterrupted run of the same config ends.
+uninterrupted run of the same config ends; and a 2-node job, one rank per node, ending bitwise
+where ``torchrun --nproc-per-node 2`` ends (on this machine's netns nodes, or on a real cluster:
+``-m "slurm and not local"``, see conftest.py).
 
 The scenarios run side by side, as the cluster's two CPUs allow: the ``campaign`` fixture
 starts every scenario the session selected at once (each in a thread that submits, triggers
@@ -9,7 +11,9 @@ the interruption at the right moment and waits) and each test checks its own. A 
 waits ``cred_expire`` (30 s) before it starts again; other jobs use the CPUs meanwhile. The
 2-task FSDP jobs hold one CPU (``--overcommit``), so that a 1-task job runs beside them (with
 ``--ntasks-per-node=2`` they still start only on an idle node). Uninterrupted references are
-shared, one per config, and run outside SLURM, where they take none of its two slots.
+shared, one per config, and run outside SLURM, where they take none of its two slots. The 2-node
+job runs on the nodes of partition ``multi`` (slurmds in network namespaces; one CPU each),
+beside the others.
 
     make slurm && make test          # or: pytest -m slurm tests/slurm
 """
@@ -34,7 +38,10 @@ from typing import Any
 
 import pytest
 
+from helpers.slurm import Cluster
+
 pytestmark = pytest.mark.slurm
+local = pytest.mark.local  # needs this machine's cluster: its partitions debug and urgent
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH_SCRIPT = REPO / "launchers" / "slurm.sbatch"
@@ -172,6 +179,7 @@ class Scenario:
 
     name: str
     root: Path
+    cluster: Cluster
     jobs: list[str] = field(default_factory=list)
     drivers: list[subprocess.Popen[str]] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
@@ -317,12 +325,13 @@ def fsdp_submitit(s: Scenario) -> None:
     s.facts["rc"] = s.finish(process)
 
 
-def sbatch_script(s: Scenario) -> str:
-    """launchers/slurm.sbatch with two tasks on this CPU node, into s.root/run."""
+def sbatch_script(s: Scenario, *placement: str) -> str:
+    """launchers/slurm.sbatch training FSDP_SHAPE into s.root/run, its tasks placed by
+    ``placement`` (sbatch's options)."""
     env = os.environ | {"RUN_DIR": str(s.root / "run"), "PYTHON": sys.executable}
     done = subprocess.run(
-        ["sbatch", "--parsable", "--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1",
-         "--overcommit", "--mem=4G", "--time=10", f"--output={s.root / 'job-%j.log'}", str(SBATCH_SCRIPT),
+        ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", *placement,
+         "--time=10", f"--output={s.root / 'job-%j.log'}", str(SBATCH_SCRIPT),
          *FSDP_SHAPE, f"output_root={s.root}"],
         cwd=s.root, env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
@@ -334,11 +343,23 @@ def sbatch_script(s: Scenario) -> str:
 def fsdp_sbatch(s: Scenario) -> None:
     """launchers/slurm.sbatch, two tasks; SIGUSR1 (what its --signal sends before the time
     limit) while training: the tasks save and exit 138, the script requeues the job."""
-    job = sbatch_script(s)
+    job = sbatch_script(s, "--ntasks-per-node=2", "--overcommit", "--mem=4G")
     wait_for("a checkpoint", lambda: checkpoint_steps(s.root / "run")[-1:] >= [3], s.deadline)
     slurm("scancel", "--signal=USR1", job)
     s.facts["state"] = s.wait_job(job)
     s.facts["restarts"] = int(job_field(job, "Restarts"))
+    s.facts["log"] = (s.root / f"job-{job}.log").read_text()
+
+
+def two_nodes(s: Scenario) -> None:
+    """launchers/slurm.sbatch on two nodes, one task each, uninterrupted: rank 1 reaches rank 0
+    (MASTER_ADDR, the first node's name) across the nodes' network, not on one machine."""
+    partition = s.cluster.multi_node_partition
+    job = sbatch_script(
+        s, f"--partition={partition}", "--nodes=2", "--ntasks-per-node=1", "--mem=2G"
+    )
+    s.facts["state"] = s.wait_job(job)
+    s.facts["job"] = slurm("scontrol", "show", "job", job)
     s.facts["log"] = (s.root / f"job-{job}.log").read_text()
 
 
@@ -385,6 +406,7 @@ SCENARIOS: dict[str, Callable[[Scenario], None]] = {
     "time_limit_reference": time_limit_reference,
     "fsdp_reference": fsdp_reference,
     "fsdp_sbatch": fsdp_sbatch,
+    "two_nodes": two_nodes,
     "fsdp_submitit": fsdp_submitit,
     "time_limit": time_limit,
     "requeued": requeued,
@@ -408,15 +430,18 @@ NEEDS = {
     "test_fsdp_job_of_two_tasks_requeued_resumes_bitwise": ("fsdp_submitit", "fsdp_reference"),
     "test_sbatch_script_requeues_itself_and_resumes_bitwise": ("fsdp_sbatch", "fsdp_reference"),
     "test_a_job_killed_without_result_ends_the_command_in_one_line": ("sigkill",),
+    "test_two_nodes_one_rank_each_train_fsdp_bitwise_as_torchrun": ("two_nodes", "fsdp_reference"),
 }
 
 
 class Campaign:
     """The selected scenarios, started at once; ``outcome`` waits for one."""
 
-    def __init__(self, root: Path, names: list[str]) -> None:
+    def __init__(self, root: Path, names: list[str], cluster: Cluster) -> None:
         self.started = time.monotonic()
-        self.scenarios = {n: Scenario(n, root / n) for n in SCENARIOS if n in names}
+        if cluster.multi_node_partition is None:  # its test skips
+            names = [n for n in names if n != "two_nodes"]
+        self.scenarios = {n: Scenario(n, root / n, cluster) for n in SCENARIOS if n in names}
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -468,15 +493,17 @@ class Campaign:
 
 @pytest.fixture(scope="module")
 def campaign(
-    request: pytest.FixtureRequest, slurm_cluster: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    slurm_cluster: Cluster,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Campaign]:
     selected = {
         n
         for item in request.session.items
-        if item.module is request.module
+        if item.module is request.module and not item.get_closest_marker("skip")
         for n in NEEDS.get(getattr(item, "originalname", item.name), ())
     }
-    campaign = Campaign(tmp_path_factory.mktemp("slurm"), sorted(selected))
+    campaign = Campaign(tmp_path_factory.mktemp("slurm"), sorted(selected), slurm_cluster)
     try:
         campaign.start()
         yield campaign
@@ -487,6 +514,7 @@ def campaign(
 # ---------------------------------------------------------------- the tests
 
 
+@local
 def test_one_job_trains_checkpoints_and_finishes_its_mlflow_run(campaign: Campaign) -> None:
     s = campaign.outcome("one_job")
     assert s.facts["rc"] == 0, s.facts["output"][-3000:]
@@ -499,6 +527,7 @@ def test_one_job_trains_checkpoints_and_finishes_its_mlflow_run(campaign: Campai
     assert "stopped_by" not in run.data.tags and "train/loss" in run.data.metrics
 
 
+@local
 def test_a_sweep_is_one_job_array_reported_by_sweep_report(campaign: Campaign) -> None:
     from eagleforge.sweep_report import read_jobs, rows
 
@@ -535,6 +564,7 @@ def submitit_log(s: Scenario) -> str:
     return "".join(p.read_text() for p in (s.root / "sweep" / ".submitit").rglob("*_log.out"))
 
 
+@local
 def test_scontrol_requeue_saves_and_resumes_bitwise(campaign: Campaign) -> None:
     s, reference = campaign.outcome("requeued"), campaign.outcome("one_job")
     assert s.facts["rc"] == 0, s.facts["output"][-3000:]
@@ -542,6 +572,7 @@ def test_scontrol_requeue_saves_and_resumes_bitwise(campaign: Campaign) -> None:
     assert_bitwise_equal(run_dir(s), run_dir(reference))
 
 
+@local
 def test_the_time_limit_warning_saves_requeues_and_resumes_bitwise(campaign: Campaign) -> None:
     s, reference = campaign.outcome("time_limit"), campaign.outcome("time_limit_reference")
     assert s.facts["rc"] == 0, s.facts["output"][-3000:]
@@ -551,6 +582,7 @@ def test_the_time_limit_warning_saves_requeues_and_resumes_bitwise(campaign: Cam
     assert_bitwise_equal(run_dir(s), reference.root / "run")
 
 
+@local
 def test_preemption_by_the_urgent_partition_saves_requeues_and_resumes_bitwise(
     campaign: Campaign,
 ) -> None:
@@ -562,6 +594,7 @@ def test_preemption_by_the_urgent_partition_saves_requeues_and_resumes_bitwise(
     assert_bitwise_equal(run_dir(s), run_dir(reference))
 
 
+@local
 def test_fsdp_job_of_two_tasks_requeued_resumes_bitwise(campaign: Campaign) -> None:
     s, reference = campaign.outcome("fsdp_submitit"), campaign.outcome("fsdp_reference")
     assert s.facts["rc"] == 0, s.facts["output"][-3000:]
@@ -570,6 +603,7 @@ def test_fsdp_job_of_two_tasks_requeued_resumes_bitwise(campaign: Campaign) -> N
     assert_bitwise_equal(run_dir(s), reference.root / "run")
 
 
+@local
 def test_sbatch_script_requeues_itself_and_resumes_bitwise(campaign: Campaign) -> None:
     s, reference = campaign.outcome("fsdp_sbatch"), campaign.outcome("fsdp_reference")
     assert s.facts["state"] == "COMPLETED", s.facts["log"][-3000:]
@@ -582,6 +616,7 @@ def test_sbatch_script_requeues_itself_and_resumes_bitwise(campaign: Campaign) -
     assert_bitwise_equal(s.root / "run", reference.root / "run")
 
 
+@local
 def test_a_job_killed_without_result_ends_the_command_in_one_line(campaign: Campaign) -> None:
     s = campaign.outcome("sigkill")
     (job,) = s.jobs
@@ -591,3 +626,17 @@ def test_a_job_killed_without_result_ends_the_command_in_one_line(campaign: Camp
     assert last.startswith(f"error: SLURM job {job} ended without a result ("), last
     assert last.endswith(f"its log: {log}") and log.is_file(), last
     assert s.facts["ended_after_s"] < 120  # squeue's answer within a minute, then 15 s
+
+
+def test_two_nodes_one_rank_each_train_fsdp_bitwise_as_torchrun(
+    campaign: Campaign, slurm_cluster: Cluster
+) -> None:
+    if slurm_cluster.multi_node_partition is None:
+        pytest.skip(slurm_cluster.why_not_multi_node)
+    s, reference = campaign.outcome("two_nodes"), campaign.outcome("fsdp_reference")
+    assert s.facts["state"] == "COMPLETED", s.facts["log"][-3000:]
+    assert reference.facts["rc"] == 0, (reference.root / "run.log").read_text()[-3000:]
+    job = s.facts["job"]
+    assert re.search(r"\bNumNodes=2 NumCPUs=\d+ NumTasks=2\b", job), job
+    assert json.loads((s.root / "run" / "summary.json").read_text())["step"] == 30
+    assert_bitwise_equal(s.root / "run", reference.root / "run")
