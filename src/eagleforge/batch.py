@@ -83,3 +83,11 @@ def shift_left(x_BT: torch.Tensor, n: int) -> torch.Tensor:
     if n < x_BT.shape[1]:
         out[:, : x_BT.shape[1] - n] = x_BT[:, n:]
     return out
+
+
+def shift_right(x_BT: torch.Tensor, n: int) -> torch.Tensor:
+    """out[:, t] = x[:, t - n], zero (False) before the start."""
+    out = torch.zeros_like(x_BT)
+    if n < x_BT.shape[1]:
+        out[:, n:] = x_BT[:, : x_BT.shape[1] - n]
+    return out

@@ -59,9 +59,10 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors", TRAINING_STATE, "config.
 # elsewhere because what they point to is checked by content (``check_identity``). Every other
 # field defines the run, and a difference is refused.
 RESUMABLE = (
-    # the schedule: lr at step s is always lr x warmup_cosine(s, run length) (optim.py)
+    # the schedule: lr at step s is always lr x lr_multiplier(s, run length) (optim.py)
     "optimizer.lr",
     "optimizer.warmup_ratio",
+    "optimizer.schedule",
     "optimizer.min_lr_ratio",
     "optimizer.max_grad_norm",
     "optimizer.muon.lr_ratio",  # the Muon group's peak lr

@@ -28,6 +28,13 @@ class OptimizerKind(str, Enum):
     muon = "muon"  # torch.optim.Muon for the matrices, torch.optim.AdamW for the rest
 
 
+class Schedule(str, Enum):
+    """The lr's decay after warmup, from lr to lr x min_lr_ratio at the run's last step."""
+
+    cosine = "cosine"  # half a cosine (SpecForge, EAGLE-3)
+    linear = "linear"  # a straight line (vLLM speculators)
+
+
 class ApolloScaleType(str, Enum):
     channel = "channel"  # one gradient scale per row or column (APOLLO)
     tensor = "tensor"  # one gradient scale per matrix (APOLLO-Mini)
@@ -97,7 +104,9 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     # Fraction of the optimizer steps spent in linear warmup from 0.
     warmup_ratio: float = 0.015
-    # Final learning rate as a fraction of lr at the end of the cosine decay.
+    # The decay after warmup: cosine | linear.
+    schedule: Schedule = Schedule.cosine
+    # Final learning rate as a fraction of lr at the end of the decay.
     min_lr_ratio: float = 0.0
     # Clip the global gradient norm to this value (0 = no clipping).
     max_grad_norm: float = 0.5
@@ -124,12 +133,22 @@ class OptimizerConfig:
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
-    """LR multiplier at optimizer step ``step`` (0-based)."""
+    """LR multiplier at optimizer step ``step`` (0-based): linear warmup, then a cosine decay."""
+    return lr_multiplier(step, total_steps, warmup_steps, min_ratio, Schedule.cosine)
+
+
+def lr_multiplier(
+    step: int, total_steps: int, warmup_steps: int, min_ratio: float, schedule: Schedule
+) -> float:
+    """LR multiplier at optimizer step ``step`` (0-based): linear warmup, then ``schedule``."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     progress = min(1.0, max(0.0, progress))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    left = (
+        0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == Schedule.cosine else 1 - progress
+    )
+    return min_ratio + (1.0 - min_ratio) * left
 
 
 def master_dtype(cfg: OptimizerConfig) -> torch.dtype:
@@ -291,13 +310,14 @@ def _projectors_from_tensors(optimizer: torch.optim.Optimizer) -> None:
 def build_optimizer(
     cfg: OptimizerConfig, model: torch.nn.Module, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The optimizer over the trainable parameters and its warmup + cosine schedule (the same
+    """The optimizer over the trainable parameters and its warmup + decay schedule (the same
     for every kind; gradient clipping at ``cfg.max_grad_norm`` is the trainer's)."""
     named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = make_optimizer(cfg, named_params)
     warmup_steps = int(cfg.warmup_ratio * total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, total_steps, warmup_steps, cfg.min_lr_ratio)
+        optimizer,
+        lambda step: lr_multiplier(step, total_steps, warmup_steps, cfg.min_lr_ratio, cfg.schedule),
     )
     return optimizer, scheduler
 

@@ -47,3 +47,27 @@ def test_a_logit_lens_draft_predicts_the_targets_logits(tmp_path: Path) -> None:
     target.model.save_pretrained(tmp_path)
     head = HeadOnlyTarget(tmp_path, torch.float32, torch.device("cpu"))
     torch.testing.assert_close(head.final_norm_weight(), target.final_norm_weight())
+
+
+def test_a_target_head_draft_starts_with_the_targets_norm_and_rows_the_rest_random() -> None:
+    """draft.init=target_head (vLLM speculators' start): norm and lm_head are the target's
+    final norm and its rows of the draft vocabulary; fc and the layer keep their random init."""
+    target = small_vocab_target(vocab=8)
+    with torch.no_grad():
+        target.decoder.norm.weight.uniform_(0.5, 2.0)
+    arch = DraftArchitecture.from_target(
+        target.config, DraftConfig(draft_vocab_size=6), target.aux_layer_ids
+    )
+    draft = Eagle3Draft(arch)
+    draft.init_weights(0.02, torch.Generator().manual_seed(0))
+    random_fc = draft.fc.weight.detach().clone()
+    random_o = draft.midlayer.self_attn.o_proj.weight.detach().clone()
+    kept = torch.tensor([0, 2, 3, 5, 6, 7])
+    t2d = torch.zeros(8, dtype=torch.bool)
+    t2d[kept] = True
+    draft.set_vocab_map(kept - torch.arange(6), t2d)
+    draft.init_target_head(target.final_norm_weight(), target.lm_head_weight().detach())
+    torch.testing.assert_close(draft.norm.weight, target.final_norm_weight().float())
+    torch.testing.assert_close(draft.lm_head.weight, target.lm_head_weight()[kept].float())
+    assert torch.equal(draft.fc.weight, random_fc)
+    assert torch.equal(draft.midlayer.self_attn.o_proj.weight, random_o)

@@ -25,8 +25,10 @@ from eagleforge.optim import (
     ApolloScaleType,
     OptimizerConfig,
     OptimizerKind,
+    Schedule,
     apply_master_dtype,
     build_optimizer,
+    lr_multiplier,
     warmup_cosine,
 )
 from eagleforge.parallel import ParallelDims
@@ -80,6 +82,23 @@ def test_build_optimizer_follows_schedule_and_skips_frozen() -> None:
         scheduler.step()
     assert lrs == pytest.approx([1e-2 * warmup_cosine(s, 10, 2, 0.1) for s in range(10)])
     assert lrs[:2] == pytest.approx([5e-3, 1e-2])
+
+
+def test_a_linear_schedule_falls_in_a_straight_line_to_its_floor() -> None:
+    """optimizer.schedule=linear (vLLM speculators'): after warmup the multiplier falls by the
+    same amount every step, from 1 to min_lr_ratio at the run's last step."""
+    got = [lr_multiplier(s, 12, 2, 0.1, Schedule.linear) for s in range(13)]
+    assert got[:2] == pytest.approx([0.5, 1.0])
+    assert got[2:] == pytest.approx([1.0 - 0.9 * k / 10 for k in range(11)])
+    model = torch.nn.Linear(3, 1)
+    cfg = OptimizerConfig(lr=1e-2, warmup_ratio=0.0, schedule=Schedule.linear)
+    optimizer, scheduler = build_optimizer(cfg, model, total_steps=4)
+    lrs = []
+    for _ in range(4):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([1e-2, 7.5e-3, 5e-3, 2.5e-3])
 
 
 @pytest.mark.parametrize(

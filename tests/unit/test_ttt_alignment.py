@@ -329,3 +329,34 @@ def test_ttt_forward_matches_loop_reference(variant: str) -> None:
     expected = _reference_loss_sums(draft, batch, steps)
     assert stats.loss_sum_k.tolist() == pytest.approx(expected, rel=1e-4)
     assert all(value > 0 for value in expected)
+
+
+def test_fed_loss_positions_count_the_token_after_each_supervised_one() -> None:
+    """draft.loss_positions=fed (vLLM speculators' shift): the batch's loss mask marks each
+    token after a supervised one in its document, so the first answer token is never a target
+    and the token after the answer's last one is; the teacher is computed for those rows."""
+    from eagleforge.targets.teacher import teacher_batch
+    from helpers.targets import small_vocab_target
+
+    target = small_vocab_target(vocab=8)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 2, 6, 5, 3, 7]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    documents = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2]])
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.tensor([[1] * 9 + [0]], dtype=torch.bool),
+        "loss_mask": loss_mask,
+        "document_ids": documents,
+    }
+    draft_ids, t2d = torch.arange(8), torch.ones(8, dtype=torch.bool)
+    predicted = teacher_batch(target, batch, draft_ids, t2d, None)
+    fed = teacher_batch(target, batch, draft_ids, t2d, None, count_after_supervised=True)
+    assert predicted.loss_mask_BT.tolist() == loss_mask.tolist()
+    # 4 follows the first answer; 8 would follow the second but starts document 2
+    assert fed.loss_mask_BT.long().tolist() == [[0, 0, 0, 1, 1, 0, 0, 1, 0, 0]]
+    full = teacher_batch(
+        target, {**batch, "loss_mask": torch.ones_like(loss_mask)}, draft_ids, t2d, None
+    )
+    rows = shift_left(fed.loss_mask_BT, 1)
+    torch.testing.assert_close(fed.teacher.probs_BTW[rows], full.teacher.probs_BTW[rows])
+    assert not fed.teacher.in_draft_BT[~rows].any()

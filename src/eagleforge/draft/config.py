@@ -33,6 +33,18 @@ class DraftInit(str, Enum):
 
     random = "random"  # normal(0, init_std), as EAGLE-3 and SpecForge do
     logit_lens = "logit_lens"  # the target's final norm and lm_head over its last aux layer
+    # the target's final norm and lm_head rows, the rest random (vLLM speculators' start)
+    target_head = "target_head"
+
+
+class LossPositions(str, Enum):
+    """Which predictions of the unrolled test enter the loss (``DraftConfig.loss_positions``)."""
+
+    # the prediction of x_j counts when x_j is supervised (EAGLE-3, SpecForge)
+    predicted = "predicted"
+    # it counts when the token fed just before it, x_{j-1}, is supervised (vLLM speculators):
+    # the first answer token is never a target, the token after the answer's last one is
+    fed = "fed"
 
 
 @dataclass
@@ -54,6 +66,9 @@ class DraftConfig:
     ttt_length: int = 7
     # Weight of TTT step i in the loss is step_weight_decay ** i.
     step_weight_decay: float = 0.8
+    # predicted | fed: a prediction counts when the token it predicts is supervised, or when
+    # the token fed before it is (see LossPositions).
+    loss_positions: LossPositions = LossPositions.predicted
     # TTT attention: auto (sdpa on CPU, eager on CUDA) | eager | sdpa | flash (CUDA) | flex (CUDA)
     # | usp (sequence parallel over parallel.sp_ulysses x sp_ring ranks, offline).
     attention: AttentionBackend = AttentionBackend.auto
@@ -65,7 +80,8 @@ class DraftConfig:
     init_std: float = 0.02
     # random | logit_lens: start in the target's output space: fc passes the last aux layer's
     # state, the draft layer adds nothing yet, norm and lm_head are the target's (the untrained
-    # draft repeats the target's lens prediction at the previous position; training moves it on).
+    # draft repeats the target's lens prediction at the previous position; training moves it on)
+    # | target_head: norm and lm_head are the target's, the rest random.
     # With model.draft_init, that draft's weights are the start instead.
     init: DraftInit = DraftInit.random
     # Recompute each TTT step's MLP in backward instead of keeping its [T, intermediate]

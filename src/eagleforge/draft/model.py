@@ -263,23 +263,31 @@ class Eagle3Draft(nn.Module):
     def init_logit_lens(self, final_norm_H: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
         """Start as the target's logit lens at its last aux layer: ``fc`` passes that layer's
         state through, the layer adds nothing (``o_proj`` and ``down_proj`` zero, the rest as
-        ``init_weights`` left it), and ``norm`` and ``lm_head`` are the target's final norm and
-        its lm_head rows of the draft vocabulary (``set_vocab_map`` first). At position t
-        the untrained draft then gives the target's lens prediction for x_{t+1}, the token it
-        is fed, not x_{t+2}: what it starts from is the target's hidden and output space."""
+        ``init_weights`` left it), and ``norm`` and ``lm_head`` are the target's
+        (``init_target_head``). At position t the untrained draft then gives the target's lens
+        prediction for x_{t+1}, the token it is fed, not x_{t+2}: what it starts from is the
+        target's hidden and output space."""
         arch = self.arch
         hidden = arch.hidden_size
         if hidden != arch.target_hidden_size:
             raise ValueError("a logit-lens draft needs the target's hidden size")
         last = arch.aux_layer_ids.index(max(arch.aux_layer_ids))  # its block of fc's input
-        target_ids_W = self.draft_to_target_ids(torch.arange(arch.draft_vocab_size))
-        # the draft vocabulary's rows only: never a float copy of the whole [V, H] lm_head
-        rows_WH = lm_head_VH[target_ids_W.to(lm_head_VH.device)].float().cpu()
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, last * hidden : (last + 1) * hidden].copy_(torch.eye(hidden))
             self.midlayer.self_attn.o_proj.weight.zero_()
             self.midlayer.mlp.down_proj.weight.zero_()
+        self.init_target_head(final_norm_H, lm_head_VH)
+
+    def init_target_head(self, final_norm_H: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
+        """``norm`` and ``lm_head`` become the target's final norm and its lm_head rows of the
+        draft vocabulary (``set_vocab_map`` first); the rest is left as it is."""
+        if self.arch.hidden_size != self.arch.target_hidden_size:
+            raise ValueError("the target's lm_head needs a draft of the target's hidden size")
+        target_ids_W = self.draft_to_target_ids(torch.arange(self.arch.draft_vocab_size))
+        # the draft vocabulary's rows only: never a float copy of the whole [V, H] lm_head
+        rows_WH = lm_head_VH[target_ids_W.to(lm_head_VH.device)].float().cpu()
+        with torch.no_grad():
             self.norm.weight.copy_(final_norm_H.float())
             self.lm_head.weight.copy_(rows_WH)
 

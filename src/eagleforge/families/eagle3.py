@@ -12,7 +12,7 @@ import torch
 from eagleforge.batch import TTTBatch
 from eagleforge.checkpoint import load_draft_weights
 from eagleforge.draft.attention import AttentionBackend
-from eagleforge.draft.config import DraftConfig, DraftFamily, DraftInit
+from eagleforge.draft.config import DraftConfig, DraftFamily, DraftInit, LossPositions
 from eagleforge.draft.loss import LossConfig
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import TTTModule, step_weights
@@ -28,7 +28,8 @@ from eagleforge.targets.teacher import teacher_batch
 
 # the draft.* settings an EAGLE-3 draft reads
 EAGLE3_FIELDS = (
-    "draft.draft_vocab_size", "draft.ttt_length", "draft.step_weight_decay", "draft.attention",
+    "draft.draft_vocab_size", "draft.ttt_length", "draft.step_weight_decay",
+    "draft.loss_positions", "draft.attention",
     "draft.compile", "draft.intermediate_size", "draft.init_std", "draft.init",
     "draft.recompute_mlp", "draft.fc_norm", "draft.norm_before_fc", "draft.norm_output",
     "draft.norm_before_residual",
@@ -72,14 +73,19 @@ class Eagle3Family:
         draft.set_vocab_map(vocab.d2t_W, vocab.t2d_V)
         if inputs.draft_init:  # every trainable weight comes from there: draft.init is moot
             init_from(draft, self.name, inputs.draft_init, num_target_layers(target.config))
-        elif cfg.init == DraftInit.logit_lens:
+        elif cfg.init != DraftInit.random:
             norm = target.final_norm_weight()
             if norm is None:
                 raise ConfigError(
-                    f"draft.init=logit_lens: target={inputs.target_name} does not expose the "
-                    "target's final norm; use draft.init=random."
+                    f"draft.init={cfg.init.value}: target={inputs.target_name} does not expose "
+                    "the target's final norm; use draft.init=random."
                 )
-            draft.init_logit_lens(norm.detach().cpu(), target.lm_head_weight().detach())
+            start = (
+                draft.init_logit_lens
+                if cfg.init == DraftInit.logit_lens
+                else draft.init_target_head
+            )
+            start(norm.detach().cpu(), target.lm_head_weight().detach())
         return draft.to(inputs.device)
 
     def load(
@@ -141,7 +147,14 @@ class Eagle3Family:
         length = self.unroll_length(cfg)
 
         def make(batch: dict[str, torch.Tensor], train: bool) -> TTTBatch:
-            ttt_batch = teacher_batch(target, batch, draft_ids_W, t2d_V, teacher_chunk_size)
+            ttt_batch = teacher_batch(
+                target,
+                batch,
+                draft_ids_W,
+                t2d_V,
+                teacher_chunk_size,
+                count_after_supervised=cfg.loss_positions == LossPositions.fed,
+            )
             return shard_sequence(ttt_batch, sp, length) if sp.size > 1 else ttt_batch
 
         return make

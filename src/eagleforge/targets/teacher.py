@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from eagleforge.batch import IMAGE_KEYS, BlockBatch, Teacher, TTTBatch, rows_per_chunk, shift_left
+from eagleforge.batch import (
+    IMAGE_KEYS,
+    BlockBatch,
+    Teacher,
+    TTTBatch,
+    rows_per_chunk,
+    shift_left,
+    shift_right,
+)
 from eagleforge.targets.base import TargetBackend, TargetOutput
 
 
@@ -91,19 +99,29 @@ def teacher_batch(
     draft_ids_W: torch.Tensor,
     t2d_V: torch.Tensor,
     chunk_size: int | None,
+    count_after_supervised: bool = False,
 ) -> TTTBatch:
-    """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``)."""
+    """Run the target on a collated batch and assemble what the TTT needs (a ``TTTBatch``).
+
+    Its ``loss_mask_BT`` marks the tokens whose prediction counts: the supervised ones, or
+    with ``count_after_supervised`` each token after a supervised one in its document (the
+    draft's ``LossPositions.fed``)."""
     document_ids, position_ids = batch.get("document_ids"), batch.get("position_ids")
     out = target_states(target, batch)
-    # The teacher at position p is only ever used to predict a supervised token x_{p+1}.
-    needed_BT = shift_left(batch["loss_mask"] & batch["attention_mask"], 1)
+    loss_mask_BT = batch["loss_mask"].bool()
+    if count_after_supervised:
+        loss_mask_BT = shift_right(loss_mask_BT, 1) & batch["attention_mask"].bool()
+        if document_ids is not None:
+            loss_mask_BT &= shift_right(document_ids, 1) == document_ids
+    # The teacher at position p is only ever used to predict a counted token x_{p+1}.
+    needed_BT = shift_left(loss_mask_BT & batch["attention_mask"].bool(), 1)
     teacher = compute_teacher(
         out.final_hidden_BTH, target.lm_head_weight(), draft_ids_W, t2d_V, chunk_size, needed_BT
     )
     return TTTBatch(
         input_ids_BT=batch["input_ids"],
         valid_BT=batch["attention_mask"],
-        loss_mask_BT=batch["loss_mask"],
+        loss_mask_BT=loss_mask_BT,
         aux_BTA=out.aux_BTA,
         teacher=teacher,
         document_ids_BT=document_ids,
