@@ -87,7 +87,7 @@ quality: $(STAMP) ## Build data, train, pick and evaluate a SmolLM2 draft that p
 	@# 1. the target writes prompts (Magpie) and answers them; 16 more are kept for validation
 	test -f $(QUALITY_DIR)/magpie.jsonl || $(OFFLINE) $(PY) -m eagleforge.regenerate $(QUALITY) \
 		regenerate.output=$(QUALITY_DIR)/magpie.jsonl
-	@# 2. its hidden states, captured once
+	@# 2. its hidden states, captured once (in the vLLM engine where it is built: target=vllm)
 	$(OFFLINE) $(PY) -m eagleforge.prepare $(QUALITY_DATA) prepare.output_dir=$(QUALITY_DIR)/features
 	@# 3. offline epochs; real tau on the held-out prompts picks checkpoints/best
 	$(OFFLINE) $(PY) -m eagleforge.train $(QUALITY_DATA) data.features=$(QUALITY_DIR)/features \

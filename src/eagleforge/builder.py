@@ -57,6 +57,7 @@ from eagleforge.parallel.usp import SequenceParallel
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.speculative.prompts import PromptRenderer
 from eagleforge.targets.base import TargetBackend, release
+from eagleforge.targets.config import TargetBackendKind
 from eagleforge.targets.head import HeadOnlyTarget
 from eagleforge.targets.registry import build_hf_target, build_target
 from eagleforge.targets.source import (
@@ -174,10 +175,11 @@ def tau_probe(
     world: World,
 ) -> TauProbe | None:
     """The real-τ probe (trainer.eval_tau_every_n_steps), on rank 0 only. Offline training
-    has no decoding target: rank 0 loads one for the probe, reading the store's layers."""
+    and target=vllm (the engine in its own process) have no decoding target: rank 0 loads
+    one for the probe, reading the same layers."""
     if not config.trainer.eval_tau_every_n_steps or not world.is_main:
         return None
-    if config.data.features:
+    if config.data.features or config.target.backend == TargetBackendKind.vllm:
         target = build_hf_target(
             config.model, config.target, model_dir, world.device, target.aux_layer_ids
         )

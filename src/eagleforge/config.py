@@ -103,7 +103,10 @@ class EagleForgeConfig:
             )
         if self.data.is_vlm:
             self._check_vlm()
-        if self.trainer.eval_tau_every_n_steps and self.target.backend != TargetBackendKind.hf:
+        # the τ probe decodes with the transformers target (KV cache): the run's own, or one
+        # rank 0 loads beside an engine in another process (target=vllm) or a feature store
+        beside = (TargetBackendKind.hf, TargetBackendKind.vllm)
+        if self.trainer.eval_tau_every_n_steps and self.target.backend not in beside:
             raise ConfigError(
                 "trainer.eval_tau_every_n_steps decodes with the transformers target (KV cache), "
                 f"not target.backend={self.target.backend.value}; set it to 0 and run "

@@ -87,8 +87,10 @@ def capture_split(
     M-RoPE positions are stored with each sample."""
     store.mkdir(parents=True, exist_ok=True)
     if (store / "manifest.json").is_file():
-        # continuing a capture: every field must agree, the dtype and shard layout included
-        planned = {k: v for k, v in asdict(manifest).items() if k != "data_source"}
+        # continuing a capture: every field must agree, the dtype and shard layout included;
+        # the record fields need not (another backend may go on: its states are the same)
+        noted = ("data_source", "captured_by")
+        planned = {k: v for k, v in asdict(manifest).items() if k not in noted}
         Manifest.read(store).check_matches(planned, store)
     else:
         manifest.write(store)
@@ -246,6 +248,7 @@ def _capture(
             num_shards=-(-len(dataset) // cfg.samples_per_shard),
             compress=cfg.compress.value,
             data_source=config.data.describe(),
+            captured_by=config.target.backend.value,
         )
         counts = capture_split(
             out / split, dataset, manifest, target, cfg.batch_size, rank, world, processor

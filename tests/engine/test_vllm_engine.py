@@ -179,7 +179,11 @@ def test_capture_through_vllm_matches_the_hf_capture(engine_env: Path, tmp_path:
     manifests = [
         json.loads((stores[b] / "train" / "manifest.json").read_text()) for b in ("hf", "vllm")
     ]
-    assert manifests[0] == manifests[1]  # the same data, target, layers and dtype
+    # the same data, target, layers and dtype; only the record of who captured it differs
+    assert [m.pop("captured_by") for m in manifests] == ["hf", "vllm"]
+    assert {k: v for k, v in manifests[0].items() if k != "sha256"} == {
+        k: v for k, v in manifests[1].items() if k != "sha256"
+    }
     for i in range(len(hf)):
         (ids, mask, aux, final), (ids_v, mask_v, aux_v, final_v) = hf[i], vllm[i]
         assert (ids, mask) == (ids_v, mask_v)
@@ -199,7 +203,9 @@ def test_capture_through_vllm_matches_the_hf_capture(engine_env: Path, tmp_path:
     assert torch.equal(maps[0]["d2t"], maps[1]["d2t"]) and torch.equal(
         maps[0]["t2d"], maps[1]["t2d"]
     )
-    assert losses["vllm"][-1] == pytest.approx(losses["hf"][-1], rel=0.01)
+    # fp32 states within 5.3e-6 relative of each other move a 3-step loss by far less than
+    # 1e-3: a capture that misplaced a layer, a position or the final norm moves it by 10-100%
+    assert losses["vllm"] == pytest.approx(losses["hf"], rel=1e-3)
 
 
 def test_online_training_with_vllm_as_the_target(engine_env: Path, tmp_path: Path) -> None:
@@ -242,20 +248,23 @@ def _read(path: Path) -> bytes:
 def test_capture_through_vllm_in_bf16_is_within_bf16_rounding(
     engine_env: Path, tmp_path: Path
 ) -> None:
-    """In bf16 the two captures differ by rounding: vLLM's bf16 states are no farther from
-    transformers' bf16 states than those are from transformers' fp32 states (the rounding
-    that bf16 itself costs), position by position, aux and final alike."""
+    """In bf16 (`make quality`'s capture) the two captures differ by rounding: vLLM's bf16
+    states are no farther from transformers' bf16 states than those are from transformers'
+    fp32 states (the rounding that bf16 itself costs), position by position, aux and final
+    alike; and 3 offline steps on vLLM's bf16 store lose no farther from the steps on
+    transformers' bf16 store than those are from the steps on its fp32 store. (vLLM's bf16
+    kernels -- oneDNN matmuls, its own attention and RMSNorm -- round in another order than
+    transformers' eager bf16, so the two bf16 stores are not bitwise equal; in fp32 they agree
+    within 5.3e-6, see test_capture_through_vllm_matches_the_hf_capture.)"""
     from eagleforge.data.features import FeatureDataset
-    from helpers.runs import prepare_store
+    from helpers.runs import prepare_store, tiny_run_overrides, train_on_rank
 
     data = ("+model=smollm2", "data=chitchat", "data.max_num_samples=24", "data.num_eval_samples=2",
             "data.max_length=96", "prepare.samples_per_shard=8", "prepare.batch_size=8")  # fmt: skip
     runs = {"hf32": ("target=hf", "model.dtype=float32"), "hf16": ("target=hf", "model.dtype=bfloat16"),
             "vllm16": ("target=vllm", "model.dtype=bfloat16", *ENGINE_OVERRIDES)}  # fmt: skip
-    stores = {
-        name: FeatureDataset(prepare_store(tmp_path / name, *data, *extra) / "train")
-        for name, extra in runs.items()
-    }
+    paths = {name: prepare_store(tmp_path / name, *data, *extra) for name, extra in runs.items()}
+    stores = {name: FeatureDataset(path / "train") for name, path in paths.items()}
     assert len(stores["hf32"]) == len(stores["hf16"]) == len(stores["vllm16"]) > 0
     for i in range(len(stores["hf32"])):
         ref, hf, vllm = (stores[name][i] for name in ("hf32", "hf16", "vllm16"))
@@ -266,3 +275,15 @@ def test_capture_through_vllm_in_bf16_is_within_bf16_rounding(
             between = (vllm[k].float() - hf[k].float()).norm(dim=-1) / exact.norm(dim=-1)
             assert float(between.mean()) <= 2 * float(bf16_cost.mean()) + 1e-3
             assert float(between.max()) <= 2 * float(bf16_cost.max()) + 1e-3
+    losses = {
+        name: train_on_rank(0, tiny_run_overrides(
+            tmp_path / f"train-{name}", *data, *extra[1:2], f"data.features={paths[name]}",
+            "trainer.max_num_steps=3", "draft.ttt_length=2",
+        ))[0]
+        for name, extra in runs.items()
+    }  # fmt: skip
+    for step, (ref, hf, vllm) in enumerate(zip(*losses.values(), strict=True)):
+        # a loss averages the rounding of thousands of positions: 2e-3 relative is bf16's
+        # one-value rounding (8 bits of mantissa), the floor where the two fp32-bf16 gaps
+        # happen to be smaller
+        assert abs(vllm - hf) <= 2 * abs(hf - ref) + 2e-3 * abs(hf), (step, losses)

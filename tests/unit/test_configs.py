@@ -262,3 +262,17 @@ def test_each_family_file_reads_from_the_model_exactly_what_it_takes(family: Dra
     if found:
         section = getattr(DraftConfig(), family.value)
         assert {k: str(getattr(section, k)) for k in found} == found
+
+
+def test_the_tau_probe_decodes_beside_a_vllm_target_but_not_in_other_backends() -> None:
+    """target=vllm runs the engine in its own process, so rank 0 loads the transformers
+    target for the probe (as offline): `make quality`'s vLLM recipe sets both. The in-process
+    backends that cannot decode are still refused at compose time."""
+    base = ["+model=tiny", "data=chitchat", "output_dir=/tmp/unused"]
+    to_typed(compose_config([*base, "target=vllm", "trainer.eval_tau_every_n_steps=5"]))
+    quality = to_typed(compose_config(
+        ["+model=smollm2", "+experiment=smollm2_quality_vllm", "output_dir=/tmp/unused"]
+    ))  # fmt: skip
+    assert quality.target.backend.value == "vllm" and quality.trainer.eval_tau_every_n_steps
+    with pytest.raises(ConfigError, match="trainer.eval_tau_every_n_steps"):
+        to_typed(compose_config([*base, "target=custom", "trainer.eval_tau_every_n_steps=5"]))

@@ -113,6 +113,9 @@ class Manifest:
     mrope: bool = False
     # the data as configured when captured (DataConfig.describe), for messages
     data_source: str = ""
+    # the backend that captured it (target.backend: hf, vllm, ...), for the record; stores of
+    # every backend read alike ("" before this field existed)
+    captured_by: str = ""
     format: str = FORMAT
     version: int = VERSION
 
