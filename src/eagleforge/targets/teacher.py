@@ -108,13 +108,14 @@ def teacher_batch(
     draft's ``LossPositions.fed``)."""
     document_ids, position_ids = batch.get("document_ids"), batch.get("position_ids")
     out = target_states(target, batch)
+    valid_BT = batch["attention_mask"].bool()
     loss_mask_BT = batch["loss_mask"].bool()
     if count_after_supervised:
-        loss_mask_BT = shift_right(loss_mask_BT, 1) & batch["attention_mask"].bool()
+        loss_mask_BT = shift_right(loss_mask_BT, 1) & valid_BT
         if document_ids is not None:
             loss_mask_BT &= shift_right(document_ids, 1) == document_ids
     # The teacher at position p is only ever used to predict a counted token x_{p+1}.
-    needed_BT = shift_left(loss_mask_BT & batch["attention_mask"].bool(), 1)
+    needed_BT = shift_left(loss_mask_BT & valid_BT, 1)
     teacher = compute_teacher(
         out.final_hidden_BTH, target.lm_head_weight(), draft_ids_W, t2d_V, chunk_size, needed_BT
     )

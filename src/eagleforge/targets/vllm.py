@@ -3,8 +3,8 @@
 vLLM serves the target with its ``extract_hidden_states`` speculative method and eagleforge's
 capture connector (``engine/capture_connector.py``, CPU-safe): every prompt of a batch goes to
 it as one request for a single token, all of a batch's requests in flight at once (the engine
-prefills them together: ``prepare.batch_size`` is how many it sees), and the connector writes the states of the prompt's
-tokens to a file, which ``forward`` reads back and deletes. vLLM collects a layer's *input*,
+prefills them together: ``prepare.batch_size`` is how many it sees), and the connector writes
+the states of the prompt's tokens to a file, which ``forward`` reads back and deletes. vLLM collects a layer's *input*,
 so eagleforge's output-of-layer aux ids a are vLLM's a + 1, and the last layer's output is id N
 (before the final norm): the final state is that through the target's final RMSNorm, computed
 here as transformers' Llama / Qwen / Mistral norm computes it.
@@ -85,13 +85,9 @@ class VLLMTarget(HeadOnlyTarget):
             name="vLLM (capture)",
         ).start()  # fmt: skip
         self.client = self.server.client()
-        # a thread per row: every row of a batch is in flight at once, and the engine prefills
-        # them together (grown to the largest batch seen)
-        self._pool, self._pool_size = ThreadPoolExecutor(1), 1
 
     def close(self) -> None:
         """Stop the engine and remove what it wrote."""
-        self._pool.shutdown(cancel_futures=True)
         self.server.stop()
         for leftover in self._files.glob("*"):
             leftover.unlink()
@@ -133,10 +129,9 @@ class VLLMTarget(HeadOnlyTarget):
             ids[mask.bool()].tolist()
             for ids, mask in zip(input_ids_BT.cpu(), attention_mask_BT.cpu(), strict=True)
         ]
-        if self._pool_size < len(rows):
-            self._pool.shutdown()
-            self._pool, self._pool_size = ThreadPoolExecutor(len(rows)), len(rows)
-        captured = list(self._pool.map(self._capture, rows))
+        # a thread per row: every row is in flight at once, and the engine prefills them together
+        with ThreadPoolExecutor(len(rows)) as pool:
+            captured = list(pool.map(self._capture, rows))
         batch, seq = input_ids_BT.shape
         hidden = self.config.get_text_config().hidden_size
         aux_rows = [self.layer_ids.index(a + 1) for a in self.aux_layer_ids]
