@@ -1,0 +1,388 @@
+"""An EAGLE-3 draft as the GGUF file llama.cpp serves beside a GGUF target:
+
+    llama-server -m target.gguf -md DIR/draft.gguf --spec-type draft-eagle3
+
+The layout is the one llama.cpp's own ``convert_hf_to_gguf.py`` writes for an EAGLE-3 draft
+(architecture ``eagle3``; checked tensor by tensor against it in the engine tests):
+
+| eagleforge | GGUF |
+|---|---|
+| ``fc.weight`` | ``fc.weight`` |
+| ``input_norm.weight`` (``norm_before_fc``) | ``enc.output_norm.weight`` |
+| ``midlayer.input_layernorm`` / ``hidden_norm`` / ``post_attention_layernorm`` | ``blk.0.attn_norm`` / ``attn_norm_2`` / ``ffn_norm`` |
+| ``midlayer.self_attn.{q,k,v,o}_proj`` | ``blk.0.attn_{q,k,v,output}`` (q and k in llama.cpp's RoPE row order) |
+| ``midlayer.mlp.{gate,up,down}_proj`` | ``blk.0.ffn_{gate,up,down}`` |
+| ``norm.weight`` / ``lm_head.weight`` | ``output_norm.weight`` / ``output.weight`` |
+| ``d2t`` (offsets) | ``d2t`` (absolute target ids, I64); ``t2d`` is rebuilt from it |
+
+The aux layers are ``eagle3.target_layers`` in vLLM's numbering (the input of layer k), which
+is llama.cpp's: it taps ``llama_set_embeddings_layer_inp`` of each. The tokenizer is copied
+from the target's own GGUF, so that llama.cpp finds the two vocabularies identical.
+
+llama.cpp (b11434) runs the EAGLE-3 layer and ``norm_before_fc`` and ``norm_before_residual``;
+a draft trained with anything else would be served differently from how it was trained, so
+``gguf_refusals`` names it and the export refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagleforge.draft.model import DraftArchitecture
+from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.files import unreadable_reason
+
+GGUF_FILE = "draft.gguf"
+GGUF_ARCHITECTURE = "eagle3"
+# llama.cpp numbers aux layers as vLLM does: the input of layer k (eagleforge's output of
+# layer k-1)
+LAYER_ID_OFFSET = 1
+
+# eagleforge's tensor names (the decoder layer under ``midlayer.``) -> GGUF names
+_TENSORS = {
+    "fc.weight": "fc.weight",
+    "input_norm.weight": "enc.output_norm.weight",
+    "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_FROM_GGUF = {v: k for k, v in _TENSORS.items()}
+
+
+def gguf_refusals(arch: DraftArchitecture) -> list[str]:
+    """What in a draft llama.cpp would not run as it was trained (an empty list when it
+    serves the draft faithfully), each naming the setting and what to do."""
+    refusals = []
+    if arch.norm_output:
+        refusals.append(
+            "draft.norm_output=true: llama.cpp feeds the state before the final norm to the "
+            "next draft step, not the normed one this draft was trained on; train with "
+            "draft.norm_output=false for llama.cpp, or serve this draft with vLLM or SGLang"
+        )
+    if arch.fc_norm:
+        refusals.append(
+            "draft.fc_norm=true: llama.cpp has no per-layer norm before fc (it would drop "
+            "EAGLE-3.1's fc_norm); use draft.norm_before_fc for llama.cpp"
+        )
+    if arch.mask_token_id is not None:
+        refusals.append(
+            "a parallel-drafting (P-EAGLE) draft: llama.cpp drafts EAGLE-3 one token at a time"
+        )
+    if arch.attention_bias:
+        refusals.append("attention biases: llama.cpp's eagle3 layer has none")
+    if arch.hidden_act != "silu":
+        refusals.append(f"hidden_act={arch.hidden_act}: llama.cpp's eagle3 layer uses silu")
+    if arch.rope_scaling is not None:
+        refusals.append(
+            f"RoPE scaling {arch.rope_scaling}: the GGUF export writes plain RoPE only"
+        )
+    if len(arch.aux_layer_ids) != 3:
+        refusals.append(f"{len(arch.aux_layer_ids)} aux layers: llama.cpp reads exactly 3")
+    return refusals
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q or k projection from Hugging Face's RoPE order (two halves) to GGUF's
+    (interleaved pairs), as llama.cpp's converter reorders them."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape
+    )
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape
+    )
+
+
+def _array(tensor: torch.Tensor) -> tuple[np.ndarray, Any]:
+    """(numpy array, raw GGML type or None) of a tensor; bf16 goes as its raw 16 bits."""
+    import gguf
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy(), gguf.GGMLQuantizationType.BF16
+    return tensor.numpy(), None
+
+
+def target_tokenizer_fields(target_gguf: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the target GGUF's llama hyperparameters by key suffix, its ``tokenizer.*`` fields as
+    (value, type, sub_type)); ConfigError naming the file when it does not read."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(target_gguf))
+    except Exception as e:  # gguf raises ValueError, OSError, struct errors
+        raise ConfigError(
+            f"export.target_gguf={target_gguf}: not a readable GGUF file ({unreadable_reason(e)})"
+        ) from None
+    arch = reader.fields["general.architecture"].contents()
+    hparams = {
+        name.removeprefix(f"{arch}."): field.contents()
+        for name, field in reader.fields.items()
+        if name.startswith(f"{arch}.")
+    }
+    tokenizer = {}
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            tokenizer[name] = (field.contents(), field.types[0], sub)
+    return hparams, tokenizer
+
+
+def target_mismatch(arch: DraftArchitecture, hparams: dict[str, Any]) -> list[str]:
+    """Where the target GGUF is not the target the draft was trained for."""
+    problems = []
+    if hparams.get("embedding_length") != arch.target_hidden_size:
+        problems.append(
+            f"its hidden size is {hparams.get('embedding_length')}, the draft reads "
+            f"{arch.target_hidden_size}"
+        )
+    if hparams.get("vocab_size", arch.vocab_size) != arch.vocab_size:
+        problems.append(
+            f"its vocabulary has {hparams.get('vocab_size')} tokens, the draft's target "
+            f"{arch.vocab_size}"
+        )
+    layers = hparams.get("block_count")
+    if isinstance(layers, int) and max(arch.aux_layer_ids) + LAYER_ID_OFFSET >= layers:
+        problems.append(
+            f"it has {layers} layers, the draft reads the output of layer "
+            f"{max(arch.aux_layer_ids)}"
+        )
+    return problems
+
+
+def write_eagle3_gguf(
+    arch: DraftArchitecture,
+    tensors: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    target_gguf: str | Path,
+) -> Path:
+    """Write ``out_dir/draft.gguf`` for llama.cpp from tensors with eagleforge's names, the
+    tokenizer copied from ``target_gguf``; ConfigError where llama.cpp would not serve the
+    draft as trained or the target GGUF is another model."""
+    import gguf
+
+    refusals = gguf_refusals(arch)
+    if refusals:
+        raise ConfigError(f"export.format=gguf: llama.cpp cannot serve this draft: {refusals[0]}.")
+    hparams, tokenizer = target_tokenizer_fields(Path(target_gguf))
+    mismatch = target_mismatch(arch, hparams)
+    if mismatch:
+        raise ConfigError(
+            f"export.target_gguf={target_gguf} is not the draft's target: {mismatch[0]}."
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out / GGUF_FILE), GGUF_ARCHITECTURE)
+    a = GGUF_ARCHITECTURE
+    writer.add_type("model")
+    writer.add_name("eagleforge EAGLE-3 draft")
+    writer.add_uint32(f"{a}.block_count", 1)
+    writer.add_uint32(f"{a}.context_length", arch.max_position_embeddings)
+    writer.add_uint32(f"{a}.embedding_length", arch.hidden_size)
+    writer.add_uint32(f"{a}.feed_forward_length", arch.intermediate_size)
+    writer.add_uint32(f"{a}.attention.head_count", arch.num_attention_heads)
+    writer.add_uint32(f"{a}.attention.head_count_kv", arch.num_key_value_heads)
+    writer.add_float32(f"{a}.rope.freq_base", arch.rope_theta)
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", arch.rms_norm_eps)
+    writer.add_uint32(f"{a}.attention.key_length", arch.head_dim)
+    writer.add_uint32(f"{a}.attention.value_length", arch.head_dim)
+    writer.add_uint32(f"{a}.vocab_size", arch.vocab_size)
+    writer.add_uint32(f"{a}.rope.dimension_count", arch.head_dim)
+    writer.add_key_value(
+        f"{a}.target_layers",
+        [i + LAYER_ID_OFFSET for i in arch.aux_layer_ids],
+        gguf.GGUFValueType.ARRAY,
+        gguf.GGUFValueType.INT32,
+    )
+    writer.add_uint32(f"{a}.target_hidden_size", arch.target_hidden_size)
+    writer.add_bool(f"{a}.norm_before_residual", arch.norm_before_residual)
+    writer.add_bool(f"{a}.norm_before_fc", arch.norm_before_fc)
+    writer.add_string("eagleforge.target_model_type", arch.target_model_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, (value, vtype, sub) in tokenizer.items():
+        writer.add_key_value(name, value, vtype, sub)
+    floats = {v.dtype for k, v in tensors.items() if v.is_floating_point()}
+    writer.add_file_type(
+        {torch.float16: 1, torch.bfloat16: 32}.get(next(iter(floats)), 0) if floats else 0
+    )
+    for name, gguf_name in _TENSORS.items():
+        if name not in tensors:
+            continue
+        tensor = tensors[name].detach().contiguous().cpu()
+        if name.endswith("q_proj.weight"):
+            tensor = _permute(tensor, arch.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _permute(tensor, arch.num_key_value_heads)
+        if tensor.dim() == 1:  # norms stay fp32, as llama.cpp's converter keeps them
+            tensor = tensor.float()
+        data, raw = _array(tensor.contiguous())
+        writer.add_tensor(gguf_name, data, raw_dtype=raw)
+    absolute = tensors["d2t"].to(torch.int64) + torch.arange(len(tensors["d2t"]))
+    writer.add_tensor("d2t", absolute.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def gguf_path(path: str | Path) -> Path:
+    """The GGUF file of a draft: ``path`` itself, or ``path/draft.gguf``."""
+    path = Path(path)
+    return path / GGUF_FILE if path.is_dir() else path
+
+
+def holds_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a GGUF draft: a ``.gguf`` file, or a directory with draft.gguf."""
+    path = Path(path)
+    return path.suffix == ".gguf" or (path / GGUF_FILE).is_file()
+
+
+def read_eagle3_gguf(path: str | Path) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
+    """An EAGLE-3 GGUF draft's architecture and tensors (eagleforge's names, Hugging Face row
+    order, ``d2t`` as offsets and ``t2d`` rebuilt); CheckpointError naming what is wrong."""
+    problems, arch, tensors = _inspect(gguf_path(path), None)
+    if arch is None or problems:
+        raise CheckpointError(f"{gguf_path(path)}: {'; '.join(problems)}")
+    return arch, tensors
+
+
+def check_eagle3_gguf(path: str | Path, target_num_layers: int | None = None) -> list[str]:
+    """Every problem that would make a GGUF draft load wrongly in llama.cpp or accept poorly."""
+    return _inspect(gguf_path(path), target_num_layers)[0]
+
+
+def float32_rounded(arch: DraftArchitecture) -> DraftArchitecture:
+    """``arch`` with the fields GGUF stores as float32 rounded to float32, as a GGUF reads."""
+    return replace(
+        arch,
+        rms_norm_eps=float(np.float32(arch.rms_norm_eps)),
+        rope_theta=float(np.float32(arch.rope_theta)),
+    )
+
+
+def _inspect(
+    file: Path, target_num_layers: int | None
+) -> tuple[list[str], DraftArchitecture | None, dict[str, torch.Tensor]]:
+    import gguf
+
+    if not file.is_file():
+        return [f"{file}: no such file"], None, {}
+    try:
+        reader = gguf.GGUFReader(str(file))
+    except Exception as e:  # gguf raises ValueError, OSError, struct errors
+        return [f"{file}: not a readable GGUF file ({unreadable_reason(e)})"], None, {}
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    found = fields.get("general.architecture")
+    if found != GGUF_ARCHITECTURE:
+        return [f"general.architecture is {found!r}, an EAGLE-3 draft is 'eagle3'"], None, {}
+    a = GGUF_ARCHITECTURE
+    problems = []
+    needed = (
+        "embedding_length feed_forward_length attention.head_count attention.head_count_kv "
+        "attention.layer_norm_rms_epsilon context_length vocab_size target_hidden_size"
+    ).split()
+    missing = [f"{a}.{key}" for key in needed if f"{a}.{key}" not in fields]
+    if missing:
+        return [f"no {', '.join(missing)} in the GGUF metadata"], None, {}
+    layer_ids = list(fields.get(f"{a}.target_layers") or [])
+    if len(layer_ids) != 3:
+        problems.append(f"{a}.target_layers must list 3 target layers, got {layer_ids}")
+    elif target_num_layers is not None and not all(0 <= i < target_num_layers for i in layer_ids):
+        problems.append(
+            f"{a}.target_layers {layer_ids} (input of layer) are outside the target's "
+            f"0..{target_num_layers - 1}"
+        )
+    raw: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            tensor = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+        elif t.tensor_type in (
+            gguf.GGMLQuantizationType.F32,
+            gguf.GGMLQuantizationType.F16,
+            gguf.GGMLQuantizationType.I64,
+        ):
+            tensor = torch.from_numpy(data)
+        else:
+            problems.append(f"{t.name} is {t.tensor_type.name}: only F32, F16 and BF16 read back")
+            continue
+        raw[t.name] = tensor.reshape([int(n) for n in reversed(t.shape)])
+    heads, kv_heads = fields[f"{a}.attention.head_count"], fields[f"{a}.attention.head_count_kv"]
+    hidden = fields[f"{a}.embedding_length"]
+    tensors: dict[str, torch.Tensor] = {}
+    for gguf_name, tensor in raw.items():
+        if gguf_name == "d2t":
+            continue
+        name = _FROM_GGUF.get(gguf_name)
+        if name is None:
+            problems.append(f"{gguf_name}: not a tensor of an EAGLE-3 draft")
+            continue
+        if name.endswith("q_proj.weight"):
+            tensor = _unpermute(tensor, heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _unpermute(tensor, kv_heads)
+        tensors[name] = tensor
+    vocab = fields[f"{a}.vocab_size"]
+    d2t = raw.get("d2t")
+    head = tensors.get("lm_head.weight")
+    if d2t is None or d2t.dtype != torch.int64 or d2t.dim() != 1:
+        problems.append("no int64 d2t: llama.cpp would read draft ids as target ids")
+        draft_vocab = head.shape[0] if head is not None else vocab
+    else:
+        draft_vocab = len(d2t)
+        if bool(((d2t < 0) | (d2t >= vocab)).any()) or len(torch.unique(d2t)) != len(d2t):
+            problems.append("d2t maps draft ids outside the target vocabulary, or twice")
+        else:
+            tensors["d2t"] = d2t - torch.arange(draft_vocab)
+            t2d = torch.zeros(vocab, dtype=torch.bool)
+            t2d[d2t] = True
+            tensors["t2d"] = t2d
+    if head is None:
+        problems.append("no output.weight: llama.cpp would use the target's lm_head")
+    elif tuple(head.shape) != (draft_vocab, hidden):
+        problems.append(
+            f"output.weight has shape {tuple(head.shape)}, expected ({draft_vocab}, {hidden})"
+        )
+    norm_before_fc = bool(fields.get(f"{a}.norm_before_fc", False))
+    if norm_before_fc != ("input_norm.weight" in tensors):
+        problems.append(
+            f"{a}.norm_before_fc is {str(norm_before_fc).lower()} but enc.output_norm.weight is "
+            f"{'missing' if norm_before_fc else 'present'}"
+        )
+    key_length = fields.get(f"{a}.attention.key_length", hidden // heads)
+    arch = DraftArchitecture(
+        hidden_size=hidden,
+        intermediate_size=fields[f"{a}.feed_forward_length"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=key_length,
+        rms_norm_eps=float(fields[f"{a}.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(fields.get(f"{a}.rope.freq_base", 10000.0)),
+        max_position_embeddings=fields[f"{a}.context_length"],
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=fields[f"{a}.target_hidden_size"],
+        aux_layer_ids=[i - LAYER_ID_OFFSET for i in layer_ids],
+        target_model_type=fields.get("eagleforge.target_model_type", "llama"),
+        norm_before_fc=norm_before_fc,
+        norm_before_residual=bool(fields.get(f"{a}.norm_before_residual", False)),
+    )
+    return problems, arch, tensors
