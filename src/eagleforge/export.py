@@ -30,8 +30,14 @@ from eagleforge.families import family_of
 from eagleforge.files import unwritable_reason
 from eagleforge.formats.config import ExportConfig, ExportDType
 from eagleforge.formats.directory import check_draft, read_architecture, read_draft, write_draft
+from eagleforge.formats.gguf import float32_rounded
 from eagleforge.formats.kinds import DraftFormat, Verifier
-from eagleforge.targets.source import ModelConfig, resolve_model_dir
+from eagleforge.targets.source import (
+    ModelConfig,
+    ModelSource,
+    bundled_smollm2_gguf,
+    resolve_model_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +96,28 @@ def _trained_target(config_path: Path) -> tuple[str, str | None]:
     return (str(target.resolve()) if isinstance(target, Path) else target), model.revision
 
 
+def _target_gguf(cfg: ExportConfig, draft_dir: Path) -> Path:
+    """The GGUF file of the target a GGUF draft is served beside: ``export.target_gguf``, else
+    the bundled SmolLM2's when the draft's training config.yaml names it."""
+    if cfg.target_gguf:
+        path = Path(cfg.target_gguf).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"export.target_gguf={cfg.target_gguf}: no such file; give the target's GGUF "
+                "file (the one llama-server -m loads)."
+            )
+        return path
+    config_path = draft_dir / "config.yaml"
+    trained = OmegaConf.load(config_path) if config_path.is_file() else None
+    source = OmegaConf.select(trained, "model.source") if trained is not None else None
+    if source == ModelSource.bundled_smollm2.value:
+        return bundled_smollm2_gguf()
+    raise ConfigError(
+        "export.format=gguf needs export.target_gguf: the target's GGUF file, which llama.cpp "
+        "serves the draft beside (only a draft of the bundled SmolLM2 finds its own)."
+    )
+
+
 def _architectures(name_or_path: str, revision: str | None) -> list[str]:
     """The ``architectures`` of a model's config.json: in its directory, or for a hub id in
     the local Hugging Face cache (nothing is downloaded); [] when neither has it."""
@@ -133,8 +161,9 @@ def export(cfg: ExportConfig) -> Path:
             "directory."
         )
     verifier = _verifier(cfg, source) if cfg.format == DraftFormat.speculators else None
+    target_gguf = _target_gguf(cfg, source) if cfg.format == DraftFormat.gguf else None
     with atomic_directory(out) as tmp:
-        write_draft(arch, tensors, tmp, cfg.format, verifier, cfg.speculative_tokens)
+        write_draft(arch, tensors, tmp, cfg.format, verifier, cfg.speculative_tokens, target_gguf)
         _verify(tmp, cfg.format, arch, tensors)
     return out
 
@@ -149,6 +178,8 @@ def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch
         if k not in read_tensors or not torch.equal(read_tensors[k], expected[k])
     ]
     problems = check_draft(path)
+    if fmt == DraftFormat.gguf:  # GGUF keeps eps and the RoPE base as float32
+        arch = float32_rounded(arch)  # type: ignore[arg-type]
     if (
         read_fmt != family_of(arch).layout(fmt)  # a family may have one layout for all
         or read_arch != arch

@@ -4,6 +4,8 @@ target (the decoding tests)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from eagleforge.batch import Teacher, TTTBatch
@@ -61,6 +63,27 @@ def tiny_draft(seed: int = 0, **switches: bool) -> Eagle3Draft:
     t2d[kept] = True
     draft.set_vocab_map(kept - torch.arange(arch.draft_vocab_size), t2d)
     return draft
+
+
+def tiny_target_gguf(path: Path, hidden_size: int = 12, layers: int = 5, vocab: int = 50) -> Path:
+    """The metadata of a GGUF target ``tiny_arch``'s draft fits (llama, 5 layers, hidden 12,
+    a 50-token BPE vocabulary), no weights: what a GGUF draft export reads from its target."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", layers)
+    writer.add_uint32("llama.embedding_length", hidden_size)
+    writer.add_uint32("llama.vocab_size", vocab)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(vocab)])
+    writer.add_array("tokenizer.ggml.token_type", [1] * vocab)
+    writer.add_array("tokenizer.ggml.merges", ["t 1"])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def random_batch(

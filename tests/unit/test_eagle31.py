@@ -40,7 +40,7 @@ def test_norms_start_at_one_and_have_the_engines_names() -> None:
     assert not any("fc_norm" in k for k in wide.trainable_state_dict())
 
 
-@pytest.mark.parametrize("fmt", list(DraftFormat))
+@pytest.mark.parametrize("fmt", [f for f in DraftFormat if f.is_directory])
 @pytest.mark.parametrize("variant", list(EAGLE31_VARIANTS))
 def test_every_format_states_the_switches_and_reads_back(
     tmp_path: Path, fmt: DraftFormat, variant: str
@@ -62,7 +62,7 @@ def test_every_format_states_the_switches_and_reads_back(
 
 def test_an_older_draft_is_eagle3_and_a_speculators_one_says_its_residual(tmp_path: Path) -> None:
     draft = tiny_draft(seed=1)
-    for fmt in DraftFormat:
+    for fmt in (f for f in DraftFormat if f.is_directory):
         out = write_draft(draft.arch, draft.state_dict(), tmp_path / fmt.value, fmt)
         config = json.loads((out / "config.json").read_text())
         for key in SWITCHES:

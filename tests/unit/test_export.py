@@ -17,8 +17,9 @@ from eagleforge.export import check_main, export
 from eagleforge.formats.config import ExportConfig, ExportDType
 from eagleforge.formats.directory import check_draft, read_draft
 from eagleforge.formats.eagle3 import export_sglang
+from eagleforge.formats.gguf import float32_rounded
 from eagleforge.formats.kinds import DraftFormat
-from helpers.drafts import tiny_draft
+from helpers.drafts import tiny_draft, tiny_target_gguf
 
 pytestmark = pytest.mark.unit
 FORMATS = list(DraftFormat)
@@ -41,9 +42,15 @@ def test_each_format_reads_back_bit_identical(
     trained: Path, tmp_path: Path, fmt: DraftFormat
 ) -> None:
     _, arch, tensors = read_draft(trained)
-    out = export(ExportConfig(draft=str(trained), format=fmt, output_dir=str(tmp_path / fmt.value)))
+    target = str(tiny_target_gguf(tmp_path / "target.gguf")) if fmt == DraftFormat.gguf else None
+    out = export(
+        ExportConfig(
+            draft=str(trained), format=fmt, output_dir=str(tmp_path / fmt.value), target_gguf=target
+        )
+    )
     read_fmt, read_arch, read_tensors = read_draft(out)
-    assert read_fmt == fmt and read_arch == arch
+    assert read_fmt == fmt
+    assert read_arch == (float32_rounded(arch) if fmt == DraftFormat.gguf else arch)
     assert read_tensors.keys() == tensors.keys()
     assert all(torch.equal(read_tensors[k], tensors[k]) for k in tensors)
     assert check_draft(out, target_num_layers=5) == []  # vLLM cannot read the last layer

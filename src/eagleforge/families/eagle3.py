@@ -177,6 +177,11 @@ class Eagle3Family:
                 f"EAGLE3 --speculative-draft-model-path {out} --speculative-num-steps 3 "
                 "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
             )
+        if fmt == DraftFormat.gguf:
+            return (
+                f"llama-server -m <target.gguf> -md {out}/draft.gguf --spec-type draft-eagle3 "
+                "--spec-draft-n-max 3"
+            )
         return (
             "vllm serve <target> --speculative-config "
             f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": 3}}\''

@@ -26,7 +26,7 @@ class ExportConfig:
 
     # The draft to export: a checkpoints/step_* directory or a draft directory in any format.
     draft: str | None = None
-    # sglang | vllm | speculators.
+    # sglang | vllm | speculators | gguf (llama.cpp: <output_dir>/draft.gguf).
     format: DraftFormat = DraftFormat.sglang
     # Where to write it (must not exist yet); null = <draft>-<format> beside the draft.
     output_dir: str | None = None
@@ -40,9 +40,17 @@ class ExportConfig:
     verifier_architectures: list[str] = field(default_factory=list)
     # speculators: tokens the engine proposes per step by default.
     speculative_tokens: int = 3
+    # gguf: the target's GGUF file, which llama.cpp serves the draft beside (the draft carries
+    # its tokenizer); null = the bundled SmolLM2's, for a draft trained on it.
+    target_gguf: str | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_tokens < 1:
             raise ConfigError(
                 f"export.speculative_tokens must be >= 1, got {self.speculative_tokens}."
+            )
+        if self.target_gguf and self.format != DraftFormat.gguf:
+            raise ConfigError(
+                f"export.target_gguf applies to export.format=gguf, not {self.format.value}; "
+                "drop it."
             )

