@@ -10,7 +10,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv vllm demo quality test test-all test-quality lint format bench mlflow-server slurm slurm-stop clean gpu-wheels gpu-check-dry-run
+.PHONY: help venv vllm llamacpp demo quality test test-all test-quality lint format bench mlflow-server slurm slurm-stop clean gpu-wheels gpu-check-dry-run
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -54,6 +54,12 @@ endif
 	@touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP) ## Build the vLLM engine's own environment in .venv-vllm (CPU or CUDA build)
+
+# llama.cpp's llama-server (docs/serving.md), built once per machine from a pinned source into
+# eagleforge's cache ($EAGLEFORGE_CACHE_DIR, default ~/.cache/eagleforge/llama.cpp): every
+# checkout, and a clean clone's CI, reuse it. Needs CMake and a C++ compiler.
+llamacpp: $(STAMP) ## Build llama.cpp's llama-server (CPU) into eagleforge's cache, once per machine
+	$(PY) -m eagleforge.engine.llamacpp_build
 
 # Each demo in its own run directory, so a second `make demo` trains anew.
 DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
