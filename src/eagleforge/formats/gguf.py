@@ -26,6 +26,7 @@ a draft trained with anything else would be served differently from how it was t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,7 @@ def write_eagle3_gguf(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # it logs its temp path
     writer = gguf.GGUFWriter(str(out / GGUF_FILE), GGUF_ARCHITECTURE)
     a = GGUF_ARCHITECTURE
     writer.add_type("model")
