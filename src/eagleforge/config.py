@@ -7,7 +7,6 @@ config is turned into these dataclasses (``to_typed``), before anything is built
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from eagleforge.draft.loss import LossConfig
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.errors import ConfigError
 from eagleforge.families import check_model_draft_defaults, family_for, not_applying
+from eagleforge.files import resolve_cache_dir
 from eagleforge.formats.config import ExportConfig
 from eagleforge.optim import OptimizerConfig
 from eagleforge.parallel import DeviceKind, ParallelConfig
@@ -177,13 +177,6 @@ class EagleForgeConfig:
 
     def resolved_cache_dir(self) -> Path:
         return resolve_cache_dir(self.cache_dir)
-
-
-def resolve_cache_dir(cache_dir: str | None) -> Path:
-    """``cache_dir``, else $EAGLEFORGE_CACHE_DIR, else ~/.cache/eagleforge."""
-    if cache_dir:
-        return Path(cache_dir)
-    return Path(os.environ.get("EAGLEFORGE_CACHE_DIR") or Path.home() / ".cache" / "eagleforge")
 
 
 def register_configs() -> None:

@@ -24,10 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.atomic import atomic_directory
-from eagleforge.config import check_cli_overrides, conf_dir, register_configs, resolve_cache_dir
+from eagleforge.config import check_cli_overrides, conf_dir, register_configs
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.families import family_of
-from eagleforge.files import unwritable_reason
+from eagleforge.files import resolve_cache_dir, unwritable_reason
 from eagleforge.formats.config import ExportConfig, ExportDType
 from eagleforge.formats.directory import check_draft, read_architecture, read_draft, write_draft
 from eagleforge.formats.gguf import float32_rounded

@@ -22,6 +22,13 @@ import torch
 from safetensors.torch import save_file
 
 
+def resolve_cache_dir(cache_dir: str | None) -> Path:
+    """``cache_dir``, else $EAGLEFORGE_CACHE_DIR, else ~/.cache/eagleforge."""
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("EAGLEFORGE_CACHE_DIR") or Path.home() / ".cache" / "eagleforge")
+
+
 def current_umask() -> int:
     """The process umask, read without changing it where Linux says it (``/proc``, 4.7+)."""
     try:

@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from eagleforge.checkpoint import explicit_checkpoint
-from eagleforge.config import EagleForgeConfig, resolve_cache_dir
+from eagleforge.config import EagleForgeConfig
 from eagleforge.data.config import DataConfig
 from eagleforge.data.conversations import DataFormat, expand_sources, source_files
 from eagleforge.data.corpora import check_hub_source
 from eagleforge.data.sources import config_hub_source, mixture_hub_source
 from eagleforge.errors import ConfigError, DataError
-from eagleforge.files import unwritable_reason
+from eagleforge.files import resolve_cache_dir, unwritable_reason
 from eagleforge.formats.directory import family_problem
 from eagleforge.speculative.prompts import hub_unavailable, offline_message, parse_spec
 from eagleforge.targets.source import check_model_path

@@ -25,8 +25,8 @@ import urllib.request
 from pathlib import Path
 
 from eagleforge.atomic import atomic_directory
-from eagleforge.config import resolve_cache_dir
 from eagleforge.errors import EagleForgeError
+from eagleforge.files import resolve_cache_dir
 
 log = logging.getLogger(__name__)
 
