@@ -22,7 +22,7 @@ from eagleforge.data.inspection import InspectConfig
 from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.config import DraftConfig
 from eagleforge.draft.loss import LossConfig
-from eagleforge.engine.config import VLLMConfig
+from eagleforge.engine.config import LlamaCppConfig, VLLMConfig
 from eagleforge.errors import ConfigError
 from eagleforge.families import check_model_draft_defaults, family_for, not_applying
 from eagleforge.files import resolve_cache_dir
@@ -76,6 +76,8 @@ class EagleForgeConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     # The vLLM engine: judge (eval.engine=vllm), data engine (regenerate.backend=vllm), target.
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    # llama.cpp's llama-server: judge of GGUF drafts (eval.engine=llamacpp).
+    llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
     # Seed of weights init, data split and shuffling.
     seed: int = 0
     # Root of run outputs and of the default MLflow store.

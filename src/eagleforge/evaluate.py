@@ -9,8 +9,10 @@
         model.dtype=float32 eval.sweep=[1/1/2,3/1/4]
 
 ``eval.engine=vllm`` has the real vLLM engine (its own environment, ``make vllm``) serve the
-target with the draft, exported to vLLM's format first; ``[hf,vllm]`` decodes the same prompts
-with eagleforge's decoder and with vLLM and puts both in one table (docs/serving.md).
+target with the draft, exported to vLLM's format first; ``eval.engine=llamacpp`` has llama.cpp's
+``llama-server`` (``make llamacpp``) serve the target's GGUF file with the draft exported as a
+GGUF; ``[hf,vllm,llamacpp]`` decodes the same prompts with eagleforge's decoder and with each
+engine and puts them in one table (docs/serving.md). The engines are judges (``judges.py``).
 
 A vision-language target (``data.is_vlm``) reads prompts with images (docs/vlm.md) and decodes
 with its M-RoPE positions.
@@ -31,7 +33,7 @@ import re
 import shutil
 import signal
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +50,12 @@ from eagleforge.config import (
     to_typed,
 )
 from eagleforge.draft.family import AnyDraft
-from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
+from eagleforge.engine.server import stop_on_signals
 from eagleforge.errors import ConfigError, Stopped, exit_on_user_error
 from eagleforge.export import export
 from eagleforge.families import family_of
-from eagleforge.formats.config import ExportConfig
 from eagleforge.formats.directory import load_checked_draft, read_architecture
-from eagleforge.formats.kinds import DraftFormat
+from eagleforge.judges import Judge, build_judge
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.speculative.config import DecodeSettings
@@ -67,9 +68,7 @@ from eagleforge.speculative.decoder import (
 from eagleforge.speculative.engine_judge import (
     EngineRun,
     run_engine,
-    speculative_config,
     summarise_engine,
-    unsupported_setting,
 )
 from eagleforge.speculative.prompts import (
     PromptRenderer,
@@ -304,86 +303,49 @@ def inexact_note(config: EagleForgeConfig) -> str:
     )
 
 
-def engine_dtype(config: EagleForgeConfig) -> str:
-    """The dtype the vLLM engine runs in: vllm.dtype, or the target's model.dtype (``auto``
-    as on this machine: bf16 on CUDA, fp32 on a CPU, as eagleforge's own target)."""
-    model_dtype = target_dtype(config)
-    return config.vllm.dtype_for(str(model_dtype).removeprefix("torch."))
-
-
-def vllm_settings(settings: list[DecodeSettings]) -> list[DecodeSettings]:
-    """The settings vLLM can decode; each one it cannot is named on the console."""
-    runnable = []
-    for setting in settings:
-        why = unsupported_setting(setting)
-        if why:
-            print(f"eval.engine=vllm: skipping {why}.", flush=True)
-        else:
-            runnable.append(setting)
-    return runnable
-
-
-def export_for_vllm(draft: Path, out: Path) -> Path:
-    """The draft in vLLM's format (aux layer ids +1), written, read back and checked."""
+def export_for_engine(judge: Judge, draft: Path, out: Path) -> Path:
+    """The draft in the judge's format, written, read back and checked."""
     if out.exists():  # an earlier evaluation into this run directory
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return export(ExportConfig(draft=str(draft), format=DraftFormat.vllm, output_dir=str(out)))
+    return export(judge.export_config(draft, out))
 
 
-def vllm_speculative(draft_dir: Path, setting: DecodeSettings) -> dict[str, Any]:
-    """vLLM's speculative config for the exported draft at ``draft_dir`` (its family's
-    method) and a chain of ``setting.num_draft_tokens``."""
-    arch = read_architecture(draft_dir)
-    return speculative_config(
-        draft_dir, family_of(arch).vllm_method(arch, setting.num_draft_tokens)
-    )
-
-
-def evaluate_with_vllm(
+def evaluate_with_engine(
+    judge: Judge,
     config: EagleForgeConfig,
     drafts: list[tuple[int, Path]],
     settings: list[DecodeSettings],
     sets: list[PromptSet],
     renderer: PromptRenderer,
     eos: set[int],
-    model_dir: Path | str,
     tracker: Tracker,
 ) -> list[Summary]:
-    """Every draft and chain setting served by vLLM, against vLLM serving the target alone
-    (decoded once per prompt set, before the drafts: the same for every setting)."""
+    """Every draft and chain setting served by the judge's engine, against the engine serving
+    the target alone (decoded once per prompt set, before the drafts: the same for every
+    setting)."""
     ecfg, output_dir = config.eval, Path(config.output_dir)
-    dtype, logs = engine_dtype(config), output_dir / "vllm"
-    # every pass is timed on its own prompts: a prefix cache would skip the second's prefill
-    extra = config.vllm.extra_args
-    vcfg = replace(config.vllm, extra_args=[*extra, "--no-enable-prefix-caching"])
+    logs = output_dir / judge.name
     # baselines are greedy-only reusable; sampled ones still show the target-alone speed
     reference = settings[0]
     baselines: dict[str, EngineRun] = {}
     summaries: list[Summary] = []
     with stop_on_signals():
         if ecfg.baseline:
-            with VLLMServer(
-                vcfg,
-                model_dir,
-                logs / "target.log",
-                dtype,
-                name="vLLM (target alone)",
-                seed=config.seed,
-            ) as server:
+            name = f"{judge.title} (target alone)"
+            with judge.server(logs / "target.log", name) as server:
                 for prompt_set in sets:
                     baselines[prompt_set.name] = run_engine(
                         server.client(), prompt_set, renderer, reference, eos,
                         ecfg.engine_batch, speculative=False,
                     )  # fmt: skip
         for step, path in drafts:
-            exported = export_for_vllm(path, logs / "drafts" / path.name)
+            exported = export_for_engine(judge, path, logs / "drafts" / path.name)
             for setting in settings:
                 label = setting.label.replace("/", "-")
-                with VLLMServer(
-                    vcfg, model_dir, logs / f"{path.name}-{label}.log", dtype,
-                    speculative=vllm_speculative(exported, setting),
-                    name=f"vLLM ({path.name}, {setting.label})", seed=config.seed,
+                with judge.server(
+                    logs / f"{path.name}-{label}.log", f"{judge.title} ({path.name}, {setting.label})",
+                    draft=exported, setting=setting,
                 ) as server:  # fmt: skip
                     for prompt_set in sets:
                         run = run_engine(
@@ -392,7 +354,8 @@ def evaluate_with_vllm(
                         )  # fmt: skip
                         summary = summarise_engine(
                             str(path), prompt_set, setting, run,
-                            baselines.get(prompt_set.name), ecfg.engine_batch, dtype,
+                            baselines.get(prompt_set.name), ecfg.engine_batch, judge.dtype,
+                            engine=judge.name,
                         )  # fmt: skip
                         report_engine_summary(summary, output_dir, step, tracker, len(sets) > 1)
                         summaries.append(summary)
@@ -402,16 +365,16 @@ def evaluate_with_vllm(
 def report_engine_summary(
     summary: Summary, output_dir: Path, step: int, tracker: Tracker, several_sets: bool
 ) -> None:
-    """The table of one vLLM measurement, its summary.json under eval/<draft>/vllm/<setting>/
-    (<set>/), and its metrics eval/vllm/[<set>/]<setting>/..."""
+    """The table of one engine's measurement, its summary.json under
+    eval/<draft>/<engine>/<setting>/(<set>/), and its metrics eval/<engine>/[<set>/]<setting>/..."""
     print(table(summary), flush=True)
     setting = summary.setting.replace("/", "-")
     parts = [summary.prompt_set] * several_sets + [setting]
-    out = Path(output_dir, "eval", Path(summary.draft).name, "vllm", *parts)
+    out = Path(output_dir, "eval", Path(summary.draft).name, summary.engine, *parts)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
     plot_acceptance(summary, out / "acceptance.png")
-    scope = "/".join(["eval", "vllm", *parts])
+    scope = "/".join(["eval", summary.engine, *parts])
     metrics = {
         f"{scope}/tau": summary.tau,
         f"{scope}/tokens_per_s": summary.tokens_per_s,
@@ -436,34 +399,18 @@ def run(cfg: DictConfig) -> list[Summary]:
     ecfg = config.eval
     engines = ecfg.engines()
     settings = ecfg.decode_settings()
-    engine_settings: list[DecodeSettings] = []
-    if "vllm" in engines:
-        if config.vllm.url:
-            raise ConfigError(
-                "eval.engine=vllm starts its own engines (the target alone, then one per draft "
-                "and chain length), so it cannot use vllm.url; unset vllm.url."
-            )
-        engine_python(config.vllm)  # a missing engine costs a line, before any model loads
-        engine_settings = vllm_settings(settings)
-        if not engine_settings:
-            raise ConfigError(
-                "eval.engine=vllm: none of the decoding settings is a chain (steps/1/steps+1); "
-                "add one, e.g. eval.sweep=[3/1/4], or use eval.engine=hf for trees."
-            )
+    model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
+    # each engine's server is found before any model loads: a missing one costs a line
+    judges = [build_judge(name, config, model_dir) for name in engines if name != "hf"]
+    engine_settings = {judge.name: judge.runnable(settings) for judge in judges}
     # every prompt set is read before the model loads: a set the hub cannot give costs a line
     sets = load_prompt_sets(
         ecfg.prompt_sets(), ecfg.multi_turn, ecfg.max_prompts, config.data.is_vlm
     )
     arch = read_architecture(drafts[0][1])
     taps = arch.aux_layer_ids
-    model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data
     if data.is_vlm:  # prompts with images, rendered and processed as training does
-        if "vllm" in engines:
-            raise ConfigError(
-                "eval.engine=vllm decodes text prompts; a vision-language target "
-                "(data.is_vlm) is evaluated with eval.engine=hf."
-            )
         processor = load_processor(config.model, model_dir, data.min_pixels, data.max_pixels)
         renderer = PromptRenderer(None, processor, data.min_pixels, data.max_pixels)
     else:
@@ -502,14 +449,14 @@ def run(cfg: DictConfig) -> list[Summary]:
                             series += f" {summary.setting}"
                         tau_by_step.setdefault(series, []).append((step, summary.tau))
                         summaries.append(summary)
-            del target, draft  # the HF target's memory is free before the vLLM engines start
+            del target, draft  # the HF target's memory is free before the engines start
         else:
             # the same ids eos_ids reads from a loaded model, from its generation_config.json
             generated = generation_eos_ids(model_dir, config.model.revision)
             eos = answer_end_ids(renderer.tokenizer, generated)
-        if "vllm" in engines:
-            summaries += evaluate_with_vllm(
-                config, drafts, engine_settings, sets, renderer, eos, model_dir, tracker
+        for judge in judges:
+            summaries += evaluate_with_engine(
+                judge, config, drafts, engine_settings[judge.name], sets, renderer, eos, tracker
             )
         eval_dir = output_dir / "eval"
         if len(drafts) > 1 and "hf" in engines:

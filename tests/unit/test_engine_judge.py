@@ -27,11 +27,12 @@ from eagleforge.targets.vllm import capture_layer_ids
 pytestmark = pytest.mark.unit
 
 
-def test_engines_are_named_once_from_the_two_known() -> None:
+def test_engines_are_named_once_from_the_three_known() -> None:
     assert EvalConfig(engine="vllm").engines() == ["vllm"]
     assert EvalConfig(engine=["hf", "vllm"]).engines() == ["hf", "vllm"]
-    for wrong in ("sglang", ["hf", "hf"], []):
-        with pytest.raises(ConfigError, match="eval.engine must be hf, vllm or"):
+    assert EvalConfig(engine=["hf", "vllm", "llamacpp"]).engines() == ["hf", "vllm", "llamacpp"]
+    for wrong in ("sglang", "llama.cpp", ["hf", "hf"], []):
+        with pytest.raises(ConfigError, match="eval.engine must be one of hf, vllm, llamacpp"):
             EvalConfig(engine=wrong)
 
 

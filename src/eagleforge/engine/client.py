@@ -9,6 +9,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -90,18 +91,19 @@ class SpecCounters:
         ]
 
 
-_METRIC = re.compile(r"^vllm:spec_decode_(\w+?)_total\{([^}]*)\}\s+([0-9.eE+-]+)$")
-
-
-def parse_spec_counters(text: str) -> SpecCounters:
-    """The counters of a Prometheus text page (engines summed)."""
+def parse_spec_counters(text: str, prefix: str = "vllm") -> SpecCounters:
+    """The counters of a Prometheus text page (engines summed): ``<prefix>:spec_decode_*_total``,
+    the names vLLM gives them and llama.cpp's ``llama-server`` too (prefix ``llamacpp``)."""
+    metric = re.compile(
+        rf"^{re.escape(prefix)}:spec_decode_(\w+?)_total(?:\{{([^}}]*)\}})?\s+([0-9.eE+-]+)$"
+    )
     counters = SpecCounters()
     per_pos: dict[int, float] = {}
     for line in text.splitlines():
-        match = _METRIC.match(line.strip())
+        match = metric.match(line.strip())
         if not match:
             continue
-        name, labels, value = match.group(1), match.group(2), float(match.group(3))
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
         if name == "num_drafts":
             counters.drafts += value
         elif name == "num_draft_tokens":
@@ -117,9 +119,13 @@ def parse_spec_counters(text: str) -> SpecCounters:
     return counters
 
 
-class VLLMClient:
-    """Requests to one server (``url`` without /v1). ``describe``, for a server eagleforge
-    started, says in errors whether it still runs and where its log is."""
+class EngineClient(ABC):
+    """Requests to one engine server over HTTP (``url`` without /v1). ``describe``, for a
+    server eagleforge started, says in errors whether it still runs and where its log is. A
+    subclass gives ``complete``; the speculative counters are read from ``/metrics`` under
+    ``metric_prefix``."""
+
+    metric_prefix = "vllm"
 
     def __init__(
         self, url: str, timeout_s: float, describe: Callable[[], str] | None = None
@@ -145,6 +151,38 @@ class VLLMClient:
             raise EngineRequestError(
                 f"the engine at {self._where()} did not answer /{path}: {getattr(e, 'reason', e)}"
             ) from None
+
+    @abstractmethod
+    def complete(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        model: str = SERVED_NAME,
+        extra: dict[str, Any] | None = None,
+    ) -> Completion:
+        """One completion of a token-id prompt; the new token ids come back as ids (the stop
+        token included, as eagleforge's decoder counts it)."""
+
+    def complete_many(
+        self, prompts: list[list[int]], concurrency: int, **kwargs: Any
+    ) -> tuple[list[Completion], float]:
+        """Every prompt, ``concurrency`` requests in flight at once (the engine batches them):
+        the completions in prompt order and the wall time of them all."""
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
+            results = list(pool.map(lambda ids: self.complete(ids, **kwargs), prompts))
+        return results, time.perf_counter() - start
+
+    def spec_counters(self) -> SpecCounters:
+        text = self._request("metrics").decode(errors="replace")
+        return parse_spec_counters(text, self.metric_prefix)
+
+
+class VLLMClient(EngineClient):
+    """vLLM's OpenAI-compatible API: completions of token-id prompts, ids back."""
 
     def model(self) -> str:
         """The first model the server serves."""
@@ -187,16 +225,3 @@ class VLLMClient:
         return Completion(
             ids, choice.get("finish_reason"), seconds, response.get("kv_transfer_params")
         )
-
-    def complete_many(
-        self, prompts: list[list[int]], concurrency: int, **kwargs: Any
-    ) -> tuple[list[Completion], float]:
-        """Every prompt, ``concurrency`` requests in flight at once (the engine batches them):
-        the completions in prompt order and the wall time of them all."""
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max(1, concurrency)) as pool:
-            results = list(pool.map(lambda ids: self.complete(ids, **kwargs), prompts))
-        return results, time.perf_counter() - start
-
-    def spec_counters(self) -> SpecCounters:
-        return parse_spec_counters(self._request("metrics").decode(errors="replace"))

@@ -1,6 +1,7 @@
-"""The ``vllm`` config section: where the vLLM engine's interpreter is (or which server to
-use), and how the engine eagleforge starts is sized. Read by ``evaluate`` (eval.engine=vllm),
-``regenerate`` (regenerate.backend=vllm) and ``prepare`` (target=vllm); see docs/serving.md.
+"""The engine sections: ``vllm`` (where the vLLM engine's interpreter is, or which server to use,
+and how the engine eagleforge starts is sized; read by ``evaluate`` (eval.engine=vllm),
+``regenerate`` (regenerate.backend=vllm) and ``prepare`` (target=vllm)) and ``llamacpp``
+(llama.cpp's ``llama-server``, read by ``evaluate`` (eval.engine=llamacpp)); see docs/serving.md.
 """
 
 from __future__ import annotations
@@ -63,4 +64,42 @@ class VLLMConfig:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(
                 f"vllm.url={self.url!r}: give the server's base URL, e.g. http://127.0.0.1:8000."
+            )
+
+
+@dataclass
+class LlamaCppConfig:
+    """The ``llamacpp`` section: llama.cpp's ``llama-server`` as eagleforge starts it
+    (``eval.engine=llamacpp``; docs/serving.md#llamacpp-a-gguf-draft)."""
+
+    # The llama-server binary; null = $EAGLEFORGE_LLAMA_SERVER, else `make llamacpp`'s build.
+    server: str | None = None
+    # The target's GGUF file (llama-server -m); null = the bundled SmolLM2's for model=smollm2.
+    target_gguf: str | None = None
+    # Compute threads (-t); null = llama.cpp's default (the CPU's cores).
+    threads: int | None = None
+    # Requests served at once (--parallel); each gets max_model_len tokens of context.
+    parallel: int = 8
+    # Longest sequence (prompt + generation) of one request, in tokens.
+    max_model_len: int = 2048
+    # Drafting stops at a token the draft gives less than this probability
+    # (--spec-draft-p-min); 0 drafts every chain to its full length, as vLLM does.
+    draft_p_min: float = 0.0
+    # Seconds to wait for the server to answer /health before giving up.
+    startup_timeout_s: float = 300.0
+    # Seconds to wait for one request.
+    request_timeout_s: float = 1800.0
+    # Further llama-server arguments, e.g. ["--spec-draft-n-min", "1"].
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.parallel < 1 or self.max_model_len < 16:
+            raise ConfigError("llamacpp.parallel must be >= 1 and llamacpp.max_model_len >= 16.")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"llamacpp.threads must be >= 1 or null, got {self.threads}.")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ConfigError(f"llamacpp.draft_p_min must be in [0, 1], got {self.draft_p_min}.")
+        if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ConfigError(
+                "llamacpp.startup_timeout_s and llamacpp.request_timeout_s must be > 0."
             )

@@ -1,7 +1,7 @@
-"""A vLLM server as a child process that eagleforge owns: started from the engine's own
-environment, bound to 127.0.0.1, in its own process group, health-checked, logging into the
-run directory, and stopped on every way out (return, exception, Ctrl-C, SIGTERM, SIGHUP, and
-the death of this process).
+"""An engine server (vLLM; llama.cpp's ``llama-server``) as a child process that eagleforge
+owns: started from the engine's own build, bound to 127.0.0.1, in its own process group,
+health-checked, logging into the run directory, and stopped on every way out (return,
+exception, Ctrl-C, SIGTERM, SIGHUP, and the death of this process).
 
     with VLLMServer(cfg, model_dir, log_path, speculative=...) as server:
         client = server.client()
@@ -21,11 +21,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from eagleforge.engine.client import VLLMClient
+from eagleforge.engine.client import EngineClient, VLLMClient
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.errors import EagleForgeError, Stopped
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 ENGINE_PYTHON_ENV = "EAGLEFORGE_VLLM_PYTHON"
 ENGINE_VENV = ".venv-vllm"
 # What a server needs to be stopped for: tracked so an exit that skips `with` still stops it.
-_LIVE: set[VLLMServer] = set()
+_LIVE: set[EngineProcess] = set()
 
 
 class EngineError(EagleForgeError):
@@ -117,34 +118,35 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
-class VLLMServer:
-    """One vLLM server process (see the module docstring)."""
+_Process = TypeVar("_Process", bound="EngineProcess")
+
+
+class EngineProcess(ABC):
+    """One engine server process (see the module docstring); a subclass gives its command
+    line and its client. ``timeout_setting`` names the setting of ``startup_timeout_s`` in
+    errors."""
 
     def __init__(
         self,
-        cfg: VLLMConfig,
-        model: str | Path,
         log_path: str | Path,
-        dtype: str,
-        speculative: dict[str, Any] | None = None,
-        kv_transfer: dict[str, Any] | None = None,
-        name: str = "vLLM",
-        seed: int = 0,
+        name: str,
+        startup_timeout_s: float,
+        timeout_setting: str,
+        env: dict[str, str] | None = None,
     ) -> None:
-        self.cfg, self.log_path, self.name = cfg, Path(log_path), name
+        self.log_path, self.name = Path(log_path), name
+        self.startup_timeout_s, self.timeout_setting = startup_timeout_s, timeout_setting
+        self.env_defaults = env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = serve_command(
-            cfg, engine_python(cfg), str(model), self.port, dtype, speculative, kv_transfer, seed
-        )
+        self.command: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> VLLMServer:
+    def start(self) -> EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cfg.kv_cache_space_gib:g}")
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
+        for key, value in self.env_defaults.items():
+            env.setdefault(key, value)
         env["PYTHONUNBUFFERED"] = "1"
         with self.log_path.open("ab") as out:
             out.write(f"$ {' '.join(self.command)}\n".encode())
@@ -182,10 +184,10 @@ class VLLMServer:
                     "%s ready after %.0f s at %s", self.name, time.monotonic() - started, self.url
                 )
                 return
-            if time.monotonic() - started > self.cfg.startup_timeout_s:
+            if time.monotonic() - started > self.startup_timeout_s:
                 raise EngineError(
                     f"{self.name} did not answer {self.url}/health within "
-                    f"vllm.startup_timeout_s={self.cfg.startup_timeout_s:g} s; its log: {self.log_path}"
+                    f"{self.timeout_setting}={self.startup_timeout_s:g} s; its log: {self.log_path}"
                 )
             time.sleep(1.0)
 
@@ -196,11 +198,12 @@ class VLLMServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
+    @abstractmethod
+    def client(self) -> EngineClient:
+        """A client of this server's API."""
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def client(self) -> VLLMClient:
-        return VLLMClient(self.url, self.cfg.request_timeout_s, self.describe)
 
     def describe(self) -> str:
         state = "running" if self.alive() else "stopped"
@@ -222,11 +225,41 @@ class VLLMServer:
                 continue
         log.info("%s stopped", self.name)
 
-    def __enter__(self) -> VLLMServer:
-        return self.start()
+    def __enter__(self: _Process) -> _Process:
+        self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class VLLMServer(EngineProcess):
+    """One vLLM server process."""
+
+    def __init__(
+        self,
+        cfg: VLLMConfig,
+        model: str | Path,
+        log_path: str | Path,
+        dtype: str,
+        speculative: dict[str, Any] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+        name: str = "vLLM",
+        seed: int = 0,
+    ) -> None:
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_space_gib:g}",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        super().__init__(log_path, name, cfg.startup_timeout_s, "vllm.startup_timeout_s", env)
+        self.cfg = cfg
+        self.command = serve_command(
+            cfg, engine_python(cfg), str(model), self.port, dtype, speculative, kv_transfer, seed
+        )
+
+    def client(self) -> VLLMClient:
+        return VLLMClient(self.url, self.cfg.request_timeout_s, self.describe)
 
 
 def _last_error(log_path: Path) -> str:

@@ -148,6 +148,23 @@ def target_tokenizer_fields(target_gguf: Path) -> tuple[dict[str, Any], dict[str
     return hparams, tokenizer
 
 
+def gguf_weight_type(path: Path) -> str:
+    """What a GGUF model's weights are stored as, by its ``general.file_type``: ``float32``,
+    ``bfloat16`` and ``float16`` as torch names them, a quantization by llama.cpp's name in
+    lower case (``q4_1``); ConfigError naming the file when it does not read."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError, OSError, struct errors
+        raise ConfigError(f"{path}: not a readable GGUF file ({unreadable_reason(e)})") from None
+    field = reader.fields.get("general.file_type")
+    if field is None:
+        return "unknown"
+    name = gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_").lower()
+    return {"all_f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(name, name)
+
+
 def target_mismatch(arch: DraftArchitecture, hparams: dict[str, Any]) -> list[str]:
     """Where the target GGUF is not the target the draft was trained for."""
     problems = []

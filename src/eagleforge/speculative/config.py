@@ -9,7 +9,7 @@ from typing import Any
 
 from eagleforge.errors import ConfigError
 
-ENGINES = ("hf", "vllm")
+ENGINES = ("hf", "vllm", "llamacpp")
 
 
 @dataclass
@@ -50,10 +50,12 @@ class EvalConfig:
     # target-alone loop's speed beside it.
     hf_generate: bool = False
     # Who decodes: hf (eagleforge's own decoder, the target in this process), vllm (the vLLM
-    # engine serves the target with the draft; chains only), or [hf,vllm] (both, side by side).
+    # engine serves the target with the draft; chains only), llamacpp (llama.cpp's llama-server
+    # serves the target's GGUF with a GGUF draft; chains only), or a list: [hf,vllm,llamacpp]
+    # side by side.
     # str | list[str], typed Any as `prompts` is.
     engine: Any = "hf"
-    # vllm: prompts in flight at once for the batched speed (1 = concurrency 1 only).
+    # vllm, llamacpp: prompts in flight at once for the batched speed (1 = concurrency 1 only).
     engine_batch: int = 8
 
     def __post_init__(self) -> None:
@@ -103,7 +105,10 @@ class EvalConfig:
             or any(e not in ENGINES for e in engines)
             or len(set(engines)) < len(engines)
         ):
-            raise ConfigError(f"eval.engine must be hf, vllm or [hf,vllm], got {self.engine!r}.")
+            raise ConfigError(
+                f"eval.engine must be one of hf, vllm, llamacpp or a list of them "
+                f"([hf,vllm,llamacpp]), each once; got {self.engine!r}."
+            )
         return list(engines)
 
     def decode_settings(self) -> list[DecodeSettings]:

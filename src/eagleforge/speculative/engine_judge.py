@@ -1,14 +1,17 @@
-"""vLLM as the judge of a draft (``eval.engine=vllm``): the target served alone and with the
-draft, the same prompts decoded one at a time and all at once, and vLLM's own
-speculative-decoding counters read around the one-at-a-time pass.
+"""A serving engine as the judge of a draft (``eval.engine=vllm``, ``eval.engine=llamacpp``;
+the engines themselves are in ``judges.py``): the target served alone and with the draft, the
+same prompts decoded one at a time and all at once, and the engine's own speculative-decoding
+counters read around the one-at-a-time pass.
 
-Per decoding setting it reports vLLM's mean acceptance length (1 + accepted / drafts) and
-acceptance by position, tokens/s with and without the draft at concurrency 1 and at
-``eval.engine_batch`` prompts in flight, and whether each greedy output equals vLLM's own
-output without speculation (lossless in fp32; bf16 kernels differ between batch shapes).
+Per decoding setting it reports the engine's mean acceptance length (1 + accepted / drafts)
+and acceptance by position, tokens/s with and without the draft at concurrency 1 and at
+``eval.engine_batch`` prompts in flight, and whether each greedy output equals the engine's own
+output without speculation (lossless in fp32; bf16 and quantized kernels differ between batch
+shapes).
 
 Only chains: vLLM's tree drafting (``speculative_token_tree``) needs its tree attention
-backend, which the CPU build does not have; ``unsupported_setting`` says so for each tree.
+backend, which the CPU build does not have, and llama.cpp drafts chains; ``unsupported_setting``
+says so for each tree.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagleforge.engine.client import SpecCounters, VLLMClient
+from eagleforge.engine.client import EngineClient, SpecCounters
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.prompts import PromptRenderer, PromptSet
 from eagleforge.speculative.report import Summary
@@ -63,13 +66,13 @@ def unsupported_setting(settings: DecodeSettings) -> str | None:
     if settings.topk > 1:
         return (
             f"{settings.label} is a tree; vLLM's CPU build drafts chains only (its "
-            "speculative_token_tree needs the tree attention backend)"
+            "speculative_token_tree needs the tree attention backend), as llama.cpp does"
         )
     return None
 
 
 def decode_pass(
-    client: VLLMClient,
+    client: EngineClient,
     prompts: PromptSet,
     renderer: PromptRenderer,
     settings: DecodeSettings,
@@ -110,7 +113,7 @@ def decode_pass(
 
 
 def run_engine(
-    client: VLLMClient,
+    client: EngineClient,
     prompts: PromptSet,
     renderer: PromptRenderer,
     settings: DecodeSettings,
@@ -138,9 +141,10 @@ def summarise_engine(
     baseline: EngineRun | None,
     batch: int,
     dtype: str = "",
+    engine: str = "vllm",
 ) -> Summary:
-    """The evaluator's Summary of a vLLM-served draft (engine ``vllm``), decoded in ``dtype``
-    (vLLM's: float32 | bfloat16 | float16)."""
+    """The evaluator's Summary of a draft ``engine`` served, decoded in ``dtype`` (float32 |
+    bfloat16 | float16, or a GGUF quantization: q4_1 ...)."""
     counters = speculative.counters or SpecCounters()
     single = speculative.single
     greedy = settings.temperature == 0
@@ -174,7 +178,7 @@ def summarise_engine(
         prompt_set=prompts.name,
         prompt_source=prompts.source,
         setting=settings.label,
-        engine="vllm",
+        engine=engine,
         batch_size=batch if speculative.batched is not None else None,
         batch_tokens_per_s=batch_speed,
         batch_baseline_tokens_per_s=batch_base,
