@@ -1,6 +1,8 @@
-"""The engine tier: the real vLLM engine (its own environment, `make vllm`) over the bundled
-SmolLM2. Skipped where no engine environment exists, except where the Makefile says one must
-(EAGLEFORGE_REQUIRE_ENGINE=1: `make test` on a machine vLLM builds for), where that fails."""
+"""The engine tier: the real vLLM engine (its own environment, `make vllm`) and llama.cpp's
+llama-server (`make llamacpp`) over the bundled SmolLM2. Each is skipped where it is not
+built, except where the Makefile says it must be (EAGLEFORGE_REQUIRE_ENGINE=1: `make test` on a
+machine vLLM builds for; EAGLEFORGE_REQUIRE_LLAMACPP=1: one with CMake and a C++ compiler),
+where that fails."""
 
 from __future__ import annotations
 
@@ -22,6 +24,20 @@ def engine_env() -> Path:
         if os.environ.get("EAGLEFORGE_REQUIRE_ENGINE") == "1":
             pytest.fail(f"the engine tier must run here: {e}")
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    """``make llamacpp``'s llama-server (or $EAGLEFORGE_LLAMA_SERVER's)."""
+    from eagleforge.engine.llamacpp_build import find_server
+
+    server = find_server()
+    if server is None:
+        why = "no llama-server: `make llamacpp` builds it"
+        if os.environ.get("EAGLEFORGE_REQUIRE_LLAMACPP") == "1":
+            pytest.fail(f"the llama.cpp tier must run here: {why}")
+        pytest.skip(why)
+    return server
 
 
 @pytest.fixture(scope="session")

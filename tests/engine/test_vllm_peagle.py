@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from eagleforge.config import compose_config
 from eagleforge.formats.directory import read_architecture
-from helpers.engine import edited_copy, evaluate_on_smollm2, the_targets_answers
+from helpers.engine import edited_copy, evaluate_on_smollm2, shift_taps, the_targets_answers
 from helpers.runs import tiny_run_overrides
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -26,15 +25,6 @@ def read_log(evaluation: Path) -> str:
     """The log of the engine that served the draft with chains of 3."""
     (log,) = (evaluation / "eval" / "vllm").glob("*-3-1-4.log")
     return log.read_text()
-
-
-def shift_taps(config: dict[str, Any]) -> None:
-    """The layers one above, in both numberings a checkpoint states (SGLang's in
-    eagle_config, vLLM's at the top level), so that it stays consistent and exports as such."""
-    for where in (config["eagle_config"], config):
-        where["eagle_aux_hidden_state_layer_ids"] = [
-            i + 1 for i in where["eagle_aux_hidden_state_layer_ids"]
-        ]
 
 
 def test_a_trained_peagle_draft_is_served_by_vllm_as_our_decoder_drafts(

