@@ -108,11 +108,16 @@ REQUIRE_ENGINE := EAGLEFORGE_REQUIRE_ENGINE=$(if $(ENGINE_OK),1,0)
 # slurm tier must run: its fixture starts the cluster and fails, not skips, where that fails
 SLURM_OK := $(shell [ "$$(uname -s)" = Linux ] && { command -v slurmctld >/dev/null && command -v munged >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; }; } && echo yes)
 REQUIRE_SLURM := EAGLEFORGE_REQUIRE_SLURM=$(if $(SLURM_OK),1,0)
-test: $(STAMP) $(ENGINE_ENV) ## Run the test suite, the vLLM engine and SLURM tiers included (CPU; gpu tests skip without CUDA)
-	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_SLURM) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+# where CMake and a C++ compiler are, make test builds llama-server first (once per machine,
+# ~5 min on 2 cores) and the llama.cpp tier must run
+LLAMACPP_OK := $(shell command -v cmake >/dev/null && { command -v c++ || command -v g++ || command -v clang++; } >/dev/null && echo yes)
+LLAMACPP_SERVER := $(if $(LLAMACPP_OK),llamacpp)
+REQUIRE_LLAMACPP := EAGLEFORGE_REQUIRE_LLAMACPP=$(if $(LLAMACPP_OK),1,0)
+test: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run the test suite, the vLLM, llama.cpp and SLURM tiers included (CPU; gpu tests skip without CUDA)
+	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_LLAMACPP) $(REQUIRE_SLURM) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: $(STAMP) $(ENGINE_ENV) ## Run every test tier, slow ones included
-	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_SLURM) $(PY) -m pytest $(PYTEST_ARGS)
+test-all: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run every test tier, slow ones included
+	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_LLAMACPP) $(REQUIRE_SLURM) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~10 min)
 	$(OFFLINE) $(PY) -m pytest -m quality -s $(PYTEST_ARGS)
