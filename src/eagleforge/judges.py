@@ -78,7 +78,7 @@ class VLLMJudge:
 
     name, title, draft_format = "vllm", "vLLM", DraftFormat.vllm
 
-    def __init__(self, config: EagleForgeConfig, model_dir: Path) -> None:
+    def __init__(self, config: EagleForgeConfig, model_dir: Path | str) -> None:
         if config.vllm.url:
             raise ConfigError(
                 "eval.engine=vllm starts its own engines (the target alone, then one per draft "
@@ -130,7 +130,7 @@ class LlamaCppJudge:
 
     name, title, draft_format = "llamacpp", "llama.cpp", DraftFormat.gguf
 
-    def __init__(self, config: EagleForgeConfig, model_dir: Path) -> None:
+    def __init__(self, config: EagleForgeConfig, model_dir: Path | str) -> None:
         cfg = config.llamacpp
         llama_server(cfg)  # a missing server costs a line, before any model loads
         if config.data.is_vlm:
@@ -189,12 +189,12 @@ class LlamaCppJudge:
         )  # fmt: skip
 
 
-JUDGES: dict[str, Callable[[EagleForgeConfig, Path], Judge]] = {
+JUDGES: dict[str, Callable[[EagleForgeConfig, Path | str], Judge]] = {
     "vllm": VLLMJudge,
     "llamacpp": LlamaCppJudge,
 }
 
 
-def build_judge(name: str, config: EagleForgeConfig, model_dir: Path) -> Judge:
+def build_judge(name: str, config: EagleForgeConfig, model_dir: Path | str) -> Judge:
     """The judge ``eval.engine`` names (every name but ``hf``, eagleforge's own decoder)."""
     return JUDGES[name](config, model_dir)
