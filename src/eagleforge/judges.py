@@ -18,7 +18,7 @@ from eagleforge.engine.llamacpp import LlamaServer, llama_server
 from eagleforge.engine.server import EngineProcess, VLLMServer, engine_python
 from eagleforge.errors import ConfigError
 from eagleforge.families import family_of
-from eagleforge.formats.config import ExportConfig
+from eagleforge.formats.config import ExportConfig, ExportDType
 from eagleforge.formats.directory import read_architecture
 from eagleforge.formats.gguf import gguf_path, gguf_weight_type
 from eagleforge.formats.kinds import DraftFormat
@@ -167,7 +167,7 @@ class LlamaCppJudge:
     def export_config(self, draft: Path, out: Path) -> ExportConfig:
         return ExportConfig(
             draft=str(draft), format=self.draft_format, output_dir=str(out),
-            target_gguf=str(self.target),
+            dtype=ExportDType(self.cfg.draft_dtype), target_gguf=str(self.target),
         )  # fmt: skip
 
     def server(

@@ -82,6 +82,9 @@ class LlamaCppConfig:
     parallel: int = 8
     # Longest sequence (prompt + generation) of one request, in tokens.
     max_model_len: int = 2048
+    # The draft GGUF's weights: keep (the checkpoint's, fp32 from training) | bfloat16 |
+    # float16 (its norms stay float32, as llama.cpp's converter writes them).
+    draft_dtype: str = "keep"
     # Drafting stops at a token the draft gives less than this probability
     # (--spec-draft-p-min); 0 drafts every chain to its full length, as vLLM does.
     draft_p_min: float = 0.0
@@ -97,6 +100,11 @@ class LlamaCppConfig:
             raise ConfigError("llamacpp.parallel must be >= 1 and llamacpp.max_model_len >= 16.")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"llamacpp.threads must be >= 1 or null, got {self.threads}.")
+        if self.draft_dtype not in ("keep", "bfloat16", "float16", "float32"):
+            raise ConfigError(
+                f"llamacpp.draft_dtype must be keep, bfloat16, float16 or float32, got "
+                f"{self.draft_dtype!r}."
+            )
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise ConfigError(f"llamacpp.draft_p_min must be in [0, 1], got {self.draft_p_min}.")
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
