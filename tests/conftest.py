@@ -1,5 +1,6 @@
 """Shared fixtures. Tests run offline and build models and tokenized data into a cache dir
-(``$EAGLEFORGE_CACHE_DIR``, default ``<repo>/.cache/eagleforge``), reused across runs."""
+(``$EAGLEFORGE_CACHE_DIR``, default ``<repo>/.cache/eagleforge``), reused across runs; the
+llama-server ``make llamacpp`` built is found in the machine's cache."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
+if not os.environ.get("EAGLEFORGE_LLAMA_SERVER"):
+    # `make llamacpp` builds llama-server once per machine into the machine's cache, which the
+    # tests' own cache (below) does not hold: the tests run that one
+    from eagleforge.engine.llamacpp_build import find_server
+
+    _machine_cache = os.environ.get("EAGLEFORGE_CACHE_DIR") or Path.home() / ".cache" / "eagleforge"
+    _server = find_server(_machine_cache)
+    if _server is not None:
+        os.environ["EAGLEFORGE_LLAMA_SERVER"] = str(_server)
 os.environ.setdefault("EAGLEFORGE_CACHE_DIR", str(REPO / ".cache" / "eagleforge"))
 
 

@@ -28,7 +28,8 @@ def engine_env() -> Path:
 
 @pytest.fixture(scope="session")
 def llama_server() -> Path:
-    """``make llamacpp``'s llama-server (or $EAGLEFORGE_LLAMA_SERVER's)."""
+    """``make llamacpp``'s llama-server (tests/conftest.py points $EAGLEFORGE_LLAMA_SERVER at
+    the machine's build)."""
     from eagleforge.engine.llamacpp_build import find_server
 
     server = find_server()

@@ -27,7 +27,7 @@ def test_a_trained_draft_is_served_by_llamacpp_losslessly_and_accepted(
     result = run(compose_config(tiny_run_overrides(
         tmp_path, "+model=smollm2", "data=jsonl", f"data.path={data}", "data.max_length=256",
         "data.num_eval_samples=0", "data.packing=false", "draft.ttt_length=3",
-        "draft.norm_before_fc=true", "trainer.max_num_steps=80", "trainer.batch_size=6",
+        "draft.norm_before_fc=true", "trainer.max_num_steps=160", "trainer.batch_size=6",
         "trainer.compute_dtype=bfloat16", "optimizer.lr=5e-3", name="train",
     )))  # fmt: skip
     assert result.checkpoint is not None
