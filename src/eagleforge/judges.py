@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Protocol
 
 from eagleforge.config import EagleForgeConfig
-from eagleforge.draft.config import DraftFamily
 from eagleforge.engine.llamacpp import LlamaServer, llama_server
 from eagleforge.engine.server import EngineProcess, VLLMServer, engine_python
 from eagleforge.errors import ConfigError
@@ -121,10 +120,6 @@ class VLLMJudge:
         )  # fmt: skip
 
 
-# llama-server's --spec-type of each draft family it serves
-LLAMACPP_SPEC_TYPES = {DraftFamily.eagle3: "draft-eagle3"}
-
-
 class LlamaCppJudge:
     """llama.cpp's llama-server serving the target's GGUF file, the draft as a GGUF."""
 
@@ -179,12 +174,12 @@ class LlamaCppJudge:
     ) -> EngineProcess:
         if draft is None or setting is None:
             return LlamaServer(self.cfg, self.target, log_path, name=name, seed=self.seed)
-        family = family_of(read_architecture(draft)).name
-        if family not in LLAMACPP_SPEC_TYPES:
-            raise ConfigError(f"eval.engine=llamacpp: llama.cpp serves no {family.value} draft.")
+        family = family_of(read_architecture(draft))
+        if family.llamacpp_type is None:
+            raise ConfigError(f"eval.engine=llamacpp: llama.cpp serves no {family.title} draft.")
         return LlamaServer(
             self.cfg, self.target, log_path, draft=gguf_path(draft),
-            spec_type=LLAMACPP_SPEC_TYPES[family], num_draft_tokens=setting.num_draft_tokens,
+            spec_type=family.llamacpp_type, num_draft_tokens=setting.num_draft_tokens,
             name=name, seed=self.seed,
         )  # fmt: skip
 

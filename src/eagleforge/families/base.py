@@ -58,6 +58,8 @@ class Family(Protocol):
 
     name: DraftFamily
     title: str  # "EAGLE-3": in run titles and messages
+    # llama-server's --spec-type for this family's GGUF drafts; None: llama.cpp serves none
+    llamacpp_type: str | None
     # what position i of the per-position metrics (loss_i, acc_i) is
     positions: str
     # the ``draft.*`` settings it reads (a section by its prefix, ``draft.dflash``), and

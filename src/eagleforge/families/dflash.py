@@ -38,6 +38,7 @@ from eagleforge.targets.teacher import block_batch
 class DFlashFamily:
     name = DraftFamily.dflash
     title = "DFlash"
+    llamacpp_type: str | None = None
     positions = "block slot (acc_0: slot 1)"
     # its own section, the shared init std, and the vocabulary every model file sets (a DFlash
     # draft's config.json records its true vocabulary: the target's)

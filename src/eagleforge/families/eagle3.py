@@ -39,6 +39,7 @@ EAGLE3_FIELDS = (
 class Eagle3Family:
     name = DraftFamily.eagle3
     title = "EAGLE-3"
+    llamacpp_type: str | None = "draft-eagle3"
     positions = "TTT position"
     reads: tuple[str, ...] = EAGLE3_FIELDS
     reads_loss = True

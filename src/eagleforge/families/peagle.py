@@ -33,6 +33,7 @@ NOT_READ = ("draft.ttt_length", "draft.step_weight_decay", "draft.norm_output")
 class PEagleFamily(Eagle3Family):
     name = DraftFamily.peagle
     title = "P-EAGLE"
+    llamacpp_type: str | None = None
     positions = "depth (acc_0: the bonus slot)"
     reads: tuple[str, ...] = (
         *(f for f in EAGLE3_FIELDS if f not in NOT_READ),
