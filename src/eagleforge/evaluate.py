@@ -399,9 +399,8 @@ def run(cfg: DictConfig) -> list[Summary]:
     ecfg = config.eval
     engines = ecfg.engines()
     settings = ecfg.decode_settings()
-    model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     # each engine's server is found before any model loads: a missing one costs a line
-    judges = [build_judge(name, config, model_dir) for name in engines if name != "hf"]
+    judges = [build_judge(name, config) for name in engines if name != "hf"]
     engine_settings = {judge.name: judge.runnable(settings) for judge in judges}
     # every prompt set is read before the model loads: a set the hub cannot give costs a line
     sets = load_prompt_sets(
@@ -409,6 +408,7 @@ def run(cfg: DictConfig) -> list[Summary]:
     )
     arch = read_architecture(drafts[0][1])
     taps = arch.aux_layer_ids
+    model_dir = resolve_model_dir(config.model, config.resolved_cache_dir())
     data = config.data
     if data.is_vlm:  # prompts with images, rendered and processed as training does
         processor = load_processor(config.model, model_dir, data.min_pixels, data.max_pixels)

@@ -24,7 +24,7 @@ from eagleforge.formats.kinds import DraftFormat
 from eagleforge.parallel import resolve_device
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.engine_judge import speculative_config, unsupported_setting
-from eagleforge.targets.source import ModelSource, bundled_smollm2_gguf
+from eagleforge.targets.source import ModelSource, bundled_smollm2_gguf, resolve_model_dir
 
 
 class Judge(Protocol):
@@ -77,7 +77,7 @@ class VLLMJudge:
 
     name, title, draft_format = "vllm", "vLLM", DraftFormat.vllm
 
-    def __init__(self, config: EagleForgeConfig, model_dir: Path | str) -> None:
+    def __init__(self, config: EagleForgeConfig) -> None:
         if config.vllm.url:
             raise ConfigError(
                 "eval.engine=vllm starts its own engines (the target alone, then one per draft "
@@ -94,7 +94,11 @@ class VLLMJudge:
         # every pass is timed on its own prompts: a prefix cache would skip the second's prefill
         extra = [*config.vllm.extra_args, "--no-enable-prefix-caching"]
         self.cfg = replace(config.vllm, extra_args=extra)
-        self.model_dir, self.seed = model_dir, config.seed
+        self.model, self.cache_dir, self.seed = (
+            config.model,
+            config.resolved_cache_dir(),
+            config.seed,
+        )
 
     def runnable(self, settings: list[DecodeSettings]) -> list[DecodeSettings]:
         return chains_only(self.name, settings)
@@ -114,8 +118,10 @@ class VLLMJudge:
             arch = read_architecture(draft)
             method = family_of(arch).vllm_method(arch, setting.num_draft_tokens)
             speculative = speculative_config(draft, method)
+        # the target's directory (a bundled one converted once): only when a server starts
+        model_dir = resolve_model_dir(self.model, self.cache_dir)
         return VLLMServer(
-            self.cfg, self.model_dir, log_path, self.dtype, speculative=speculative,
+            self.cfg, model_dir, log_path, self.dtype, speculative=speculative,
             name=name, seed=self.seed,
         )  # fmt: skip
 
@@ -125,7 +131,7 @@ class LlamaCppJudge:
 
     name, title, draft_format = "llamacpp", "llama.cpp", DraftFormat.gguf
 
-    def __init__(self, config: EagleForgeConfig, model_dir: Path | str) -> None:
+    def __init__(self, config: EagleForgeConfig) -> None:
         cfg = config.llamacpp
         llama_server(cfg)  # a missing server costs a line, before any model loads
         if config.data.is_vlm:
@@ -184,12 +190,13 @@ class LlamaCppJudge:
         )  # fmt: skip
 
 
-JUDGES: dict[str, Callable[[EagleForgeConfig, Path | str], Judge]] = {
+JUDGES: dict[str, Callable[[EagleForgeConfig], Judge]] = {
     "vllm": VLLMJudge,
     "llamacpp": LlamaCppJudge,
 }
 
 
-def build_judge(name: str, config: EagleForgeConfig, model_dir: Path | str) -> Judge:
-    """The judge ``eval.engine`` names (every name but ``hf``, eagleforge's own decoder)."""
-    return JUDGES[name](config, model_dir)
+def build_judge(name: str, config: EagleForgeConfig) -> Judge:
+    """The judge ``eval.engine`` names (every name but ``hf``, eagleforge's own decoder): its
+    engine found and its settings checked, nothing loaded."""
+    return JUDGES[name](config)

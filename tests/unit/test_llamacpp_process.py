@@ -133,11 +133,11 @@ def test_the_judge_refuses_in_one_line_what_it_cannot_serve(
     server.chmod(0o755)
     base = ["+model=tiny", "eval.engine=llamacpp", f"llamacpp.server={server}", "output_dir=x"]
     with pytest.raises(ConfigError, match=r"needs the target as a GGUF file: set llamacpp.target"):
-        LlamaCppJudge(to_typed(compose_config(base)), tmp_path)
+        LlamaCppJudge(to_typed(compose_config(base)))
     with pytest.raises(ConfigError, match=r"llamacpp.target_gguf=/no.gguf: no such file"):
-        LlamaCppJudge(to_typed(compose_config([*base, "llamacpp.target_gguf=/no.gguf"])), tmp_path)
+        LlamaCppJudge(to_typed(compose_config([*base, "llamacpp.target_gguf=/no.gguf"])))
     with pytest.raises(ConfigError, match=r"set llamacpp.parallel >= 16 \(it is 8\)"):
         smollm2 = ["+model=smollm2", *base[1:], "eval.engine_batch=16"]
-        LlamaCppJudge(to_typed(compose_config(smollm2)), tmp_path)
+        LlamaCppJudge(to_typed(compose_config(smollm2)))
     with pytest.raises(ConfigError, match=r"llamacpp.draft_p_min must be in \[0, 1\]"):
         LlamaCppConfig(draft_p_min=2.0)
