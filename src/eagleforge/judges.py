@@ -72,6 +72,15 @@ def chains_only(engine: str, settings: list[DecodeSettings]) -> list[DecodeSetti
     return runnable
 
 
+def text_prompts_only(engine: str, config: EagleForgeConfig) -> None:
+    """Engines decode text prompts: a vision-language target is refused, naming eval.engine=hf."""
+    if config.data.is_vlm:
+        raise ConfigError(
+            f"eval.engine={engine} decodes text prompts; a vision-language target "
+            "(data.is_vlm) is evaluated with eval.engine=hf."
+        )
+
+
 class VLLMJudge:
     """vLLM serving the target's HF directory, the draft in vLLM's format."""
 
@@ -84,11 +93,7 @@ class VLLMJudge:
                 "and chain length), so it cannot use vllm.url; unset vllm.url."
             )
         engine_python(config.vllm)  # a missing engine costs a line, before any model loads
-        if config.data.is_vlm:
-            raise ConfigError(
-                "eval.engine=vllm decodes text prompts; a vision-language target "
-                "(data.is_vlm) is evaluated with eval.engine=hf."
-            )
+        text_prompts_only(self.name, config)
         model_dtype = config.model.dtype.torch_dtype(resolve_device(config.parallel))
         self.dtype = config.vllm.dtype_for(str(model_dtype).removeprefix("torch."))
         # every pass is timed on its own prompts: a prefix cache would skip the second's prefill
@@ -134,11 +139,7 @@ class LlamaCppJudge:
     def __init__(self, config: EagleForgeConfig) -> None:
         cfg = config.llamacpp
         llama_server(cfg)  # a missing server costs a line, before any model loads
-        if config.data.is_vlm:
-            raise ConfigError(
-                "eval.engine=llamacpp decodes text prompts; a vision-language target "
-                "(data.is_vlm) is evaluated with eval.engine=hf."
-            )
+        text_prompts_only(self.name, config)
         if cfg.target_gguf:
             self.target = Path(cfg.target_gguf).expanduser()
             if not self.target.is_file():

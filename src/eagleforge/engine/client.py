@@ -152,6 +152,12 @@ class EngineClient(ABC):
                 f"the engine at {self._where()} did not answer /{path}: {getattr(e, 'reason', e)}"
             ) from None
 
+    def _post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """The JSON answer to ``body`` posted to ``path``, and the request's wall time."""
+        start = time.perf_counter()
+        response = json.loads(self._request(path, body))
+        return response, time.perf_counter() - start
+
     @abstractmethod
     def complete(
         self,
@@ -211,9 +217,7 @@ class VLLMClient(EngineClient):
         }
         if seed is not None:
             body["seed"] = seed
-        start = time.perf_counter()
-        response = json.loads(self._request("v1/completions", body))
-        seconds = time.perf_counter() - start
+        response, seconds = self._post("v1/completions", body)
         try:
             choice = response["choices"][0]
             ids = [int(i) for i in choice["token_ids"]]

@@ -13,8 +13,6 @@ llamacpp`` built into eagleforge's cache (``engine/llamacpp_build.py``).
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +131,7 @@ class LlamaCppClient(EngineClient):
         }
         if seed is not None:
             body["seed"] = seed
-        start = time.perf_counter()
-        response = json.loads(self._request("completion", body))
-        seconds = time.perf_counter() - start
+        response, seconds = self._post("completion", body)
         try:
             ids = [int(i) for i in response["tokens"]]
         except (KeyError, TypeError, ValueError) as e:
