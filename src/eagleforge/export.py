@@ -179,7 +179,7 @@ def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch
     ]
     problems = check_draft(path)
     if fmt == DraftFormat.gguf:  # GGUF keeps eps and the RoPE base as float32
-        arch = float32_rounded(arch)  # type: ignore[arg-type]
+        arch = float32_rounded(arch)  # type: ignore[type-var]
     if (
         read_fmt != family_of(arch).layout(fmt)  # a family may have one layout for all
         or read_arch != arch

@@ -181,12 +181,14 @@ class LlamaCppJudge:
     ) -> EngineProcess:
         if draft is None or setting is None:
             return LlamaServer(self.cfg, self.target, log_path, name=name, seed=self.seed)
-        family = family_of(read_architecture(draft))
+        arch = read_architecture(draft)
+        family = family_of(arch)
         if family.llamacpp_type is None:
             raise ConfigError(f"eval.engine=llamacpp: llama.cpp serves no {family.title} draft.")
         return LlamaServer(
             self.cfg, self.target, log_path, draft=gguf_path(draft),
-            spec_type=family.llamacpp_type, num_draft_tokens=setting.num_draft_tokens,
+            spec_type=family.llamacpp_type,
+            num_draft_tokens=family.proposals(arch, setting.num_draft_tokens),
             name=name, seed=self.seed,
         )  # fmt: skip
 

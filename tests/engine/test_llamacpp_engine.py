@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagleforge.config import compose_config
-from eagleforge.formats.gguf import read_eagle3_gguf
+from eagleforge.formats.gguf import read_gguf
 from helpers.engine import edited_copy, evaluate_on_smollm2, shift_taps, the_targets_answers
 from helpers.runs import tiny_run_overrides
 
@@ -36,7 +36,7 @@ def test_a_trained_draft_is_served_by_llamacpp_losslessly_and_accepted(
     assert served.greedy_matches_target is True
     assert served.rounds > 0 and served.acceptance_by_position[0] > 0.1, served
     exported = tmp_path / "served" / "eval" / "llamacpp" / "drafts" / result.checkpoint.name
-    arch, _ = read_eagle3_gguf(exported / "draft.gguf")
+    arch, _ = read_gguf(exported / "draft.gguf")
     assert arch.aux_layer_ids == [1, 14, 26]  # llama.cpp's [2, 15, 27]: the input of a layer
     log = next((tmp_path / "served" / "eval" / "llamacpp").glob("*-3-1-4.log")).read_text()
     assert "--spec-type draft-eagle3" in log

@@ -1,6 +1,6 @@
 """Drafts without training: a tiny hand-sized one (H=16, 2 heads, 1 kv head, V=50, W=20) and
-random batches for it (the TTT, checkpoint and export tests), and a random draft for a real
-target (the decoding tests)."""
+random batches for it (the TTT, checkpoint and export tests), a tiny DFlash one for the same
+12-wide target, and a random draft for a real target (the decoding tests)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from eagleforge.batch import Teacher, TTTBatch
 from eagleforge.draft.config import DraftConfig
+from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.targets.hf import HFTarget
 
@@ -62,6 +63,25 @@ def tiny_draft(seed: int = 0, **switches: bool) -> Eagle3Draft:
     t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
     t2d[kept] = True
     draft.set_vocab_map(kept - torch.arange(arch.draft_vocab_size), t2d)
+    return draft
+
+
+def tiny_dflash(seed: int = 0, **fields: object) -> DFlashDraft:
+    """A one-layer DFlash draft (blocks of 4, mask token 5) for ``tiny_target_gguf``'s target,
+    its weights random."""
+    arch = DFlashArchitecture(**{
+        "hidden_size": 12, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+        "vocab_size": 50, "target_hidden_size": 12, "num_target_layers": 5,
+        "aux_layer_ids": [1, 2, 3], "block_size": 4, "mask_token_id": 5, **fields,
+    })  # type: ignore[arg-type]  # fmt: skip
+    draft = DFlashDraft(arch)
+    draft.init_weights(0.2, torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # norms away from ones, so a misplaced one shows
+        for name, param in draft.named_parameters():
+            if param.dim() == 1:
+                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed + len(name)))
     return draft
 
 

@@ -1,24 +1,27 @@
-"""export.format=gguf: an EAGLE-3 draft as llama.cpp's GGUF -- read back bit for bit, laid out
-as llama.cpp reads it (RoPE row order, absolute d2t, its tensor names, the target's
-tokenizer), and refused where llama.cpp would run it otherwise than it was trained. The
-comparison with llama.cpp's own converter is in tests/engine/test_llamacpp_engine.py."""
+"""export.format=gguf: an EAGLE-3 or DFlash draft as llama.cpp's GGUF -- read back bit for bit,
+laid out as llama.cpp reads it (RoPE row order, absolute d2t, its tensor names, the target's
+tokenizer, a DFlash draft's block size and mask token), and refused where llama.cpp would run
+it otherwise than it was trained. The comparison with llama.cpp's own converter is in
+tests/engine/test_llamacpp_converter.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
 from eagleforge.errors import ConfigError
 from eagleforge.export import check_main, export
 from eagleforge.formats.config import ExportConfig, ExportDType
+from eagleforge.formats.dflash import write_dflash
 from eagleforge.formats.directory import check_draft, load_checked_draft, read_draft
 from eagleforge.formats.eagle3 import export_sglang
 from eagleforge.formats.gguf import GGUF_FILE, float32_rounded
 from eagleforge.formats.kinds import DraftFormat
-from helpers.drafts import tiny_draft, tiny_target_gguf
+from helpers.drafts import tiny_dflash, tiny_draft, tiny_target_gguf
 
 pytestmark = pytest.mark.unit
 
@@ -186,5 +189,118 @@ def test_check_names_a_broken_gguf_draft(
     assert "not a readable GGUF file" in capsys.readouterr().out
     other = tmp_path / "other.gguf"
     assert check_draft(tiny_target_gguf(other)) == [
-        "general.architecture is 'llama', an EAGLE-3 draft is 'eagle3'"
+        "general.architecture is 'llama', a draft is 'eagle3' (EAGLE-3) or 'dflash'"
     ]
+
+
+def _export_dflash(
+    tmp_path: Path, name: str = "dflash", dtype: ExportDType = ExportDType.keep, **fields: object
+) -> tuple[Path, Path]:
+    """(the GGUF export of a tiny DFlash draft, its vLLM-layout source directory)."""
+    draft = tiny_dflash(seed=8, **fields)  # type: ignore[arg-type]
+    source = write_dflash(draft.arch, draft.state_dict(), tmp_path / f"src-{name}")
+    target = tiny_target_gguf(tmp_path / "target.gguf")
+    out = export(
+        ExportConfig(
+            draft=str(source),
+            format=DraftFormat.gguf,
+            output_dir=str(tmp_path / name),
+            dtype=dtype,
+            target_gguf=str(target),
+        )
+    )
+    return out, source
+
+
+@pytest.mark.parametrize("dtype", [ExportDType.keep, ExportDType.bfloat16])
+def test_a_dflash_gguf_export_reads_back_bit_identical(tmp_path: Path, dtype: ExportDType) -> None:
+    out, source = _export_dflash(tmp_path, dtype=dtype)
+    _, arch, tensors = read_draft(source)
+    fmt, read_arch, read_tensors = read_draft(out)
+    assert fmt == DraftFormat.gguf and read_arch == float32_rounded(arch)
+    assert read_tensors.keys() == tensors.keys()
+    wanted = torch.bfloat16 if dtype == ExportDType.bfloat16 else torch.float32
+    assert all(torch.equal(read_tensors[k], tensors[k].to(wanted)) for k in tensors)
+    assert check_draft(out, target_num_layers=5) == []
+
+
+def test_the_dflash_layout_is_llama_cpps(tmp_path: Path) -> None:
+    """What llama.cpp's dflash loader reads: the layers as blk.i with Qwen3's q/k norms, q and
+    k rows as Hugging Face has them (llama.cpp ropes DFlash NeoX-style), the taps by layer
+    input, the block size, the mask token in the tokenizer, nothing of the target's."""
+    out, source = _export_dflash(tmp_path)
+    file = out / GGUF_FILE
+    fields = _fields(file)
+    assert fields["general.architecture"] == "dflash"
+    assert fields["dflash.target_layers"] == [2, 3, 4] and fields["dflash.block_size"] == 4
+    assert fields["dflash.block_count"] == 1
+    assert fields["tokenizer.ggml.mask_token_id"] == 5
+    target = _fields(tmp_path / "target.gguf")
+    assert {k: v for k, v in fields.items() if k.startswith("tokenizer.")} == {
+        **{k: v for k, v in target.items() if k.startswith("tokenizer.")},
+        "tokenizer.ggml.mask_token_id": 5,
+    }
+    _, _, tensors = read_draft(source)
+    assert torch.equal(
+        _tensor(file, "blk.0.attn_q.weight"), tensors["layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(
+        _tensor(file, "blk.0.attn_k_norm.weight"), tensors["layers.0.self_attn.k_norm.weight"]
+    )
+    assert torch.equal(_tensor(file, "enc.output_norm.weight"), tensors["hidden_norm.weight"])
+    assert torch.equal(_tensor(file, "output_norm.weight"), tensors["norm.weight"])
+    names = {t.name for t in gguf.GGUFReader(str(file)).tensors}
+    assert not names & {"token_embd.weight", "output.weight", "d2t"}  # the target's are shared
+
+
+def test_a_dflash_draft_llama_cpp_would_run_otherwise_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="attention biases: llama.cpp's dflash layer has none"):
+        _export_dflash(tmp_path, attention_bias=True)
+    shallow = tiny_target_gguf(tmp_path / "shallow.gguf", layers=3)
+    draft = tiny_dflash()
+    source = write_dflash(draft.arch, draft.state_dict(), tmp_path / "src")
+    with pytest.raises(ConfigError, match="it has 3 layers"):
+        export(ExportConfig(draft=str(source), format=DraftFormat.gguf,
+                            output_dir=str(tmp_path / "out"), target_gguf=str(shallow)))  # fmt: skip
+    assert not (tmp_path / "dflash").exists() and not (tmp_path / "out").exists()
+
+
+def _rewritten(source: Path, path: Path, drop: str = "", tensors: dict | None = None) -> Path:  # type: ignore[type-arg]
+    """A copy of a GGUF file without the field ``drop`` and with more ``tensors``."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", drop):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_check_names_a_broken_dflash_gguf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _ = _export_dflash(tmp_path)
+    assert check_main(["--check", str(out)]) == 0
+    assert "ok (DFlash, gguf format)" in capsys.readouterr().out
+    assert check_draft(out, target_num_layers=4) == [
+        "dflash.target_layers [2, 3, 4] (input of layer) are outside the target's 0..3"
+    ]
+    unmasked = _rewritten(
+        out / GGUF_FILE, tmp_path / "unmasked.gguf", drop="tokenizer.ggml.mask_token_id"
+    )
+    assert check_draft(unmasked) == ["no tokenizer.ggml.mask_token_id in the GGUF metadata"]
+    headed = _rewritten(out / GGUF_FILE, tmp_path / "headed.gguf",
+                        tensors={"output.weight": np.zeros((50, 12), dtype=np.float32)})  # fmt: skip
+    (problem,) = check_draft(headed)
+    assert problem.startswith("output.weight: its own lm_head, which eagleforge's DFlash drafts")
+    with pytest.raises(ConfigError, match="not a usable GGUF draft: output.weight"):
+        load_checked_draft(headed, target_num_layers=5)

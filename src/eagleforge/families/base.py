@@ -129,6 +129,11 @@ class Family(Protocol):
         """Our speculative decoder with this draft."""
         ...
 
+    def proposals(self, arch: Any, num_draft_tokens: int) -> int:
+        """The tokens one round drafts for a chain of ``num_draft_tokens`` (what an engine
+        is asked for: a block draft proposes at most its block less one)."""
+        ...
+
     def vllm_method(self, arch: Any, num_draft_tokens: int) -> dict[str, Any]:
         """vLLM's speculative config for a chain of ``num_draft_tokens`` (no ``model``)."""
         ...

@@ -38,7 +38,7 @@ from eagleforge.targets.teacher import block_batch
 class DFlashFamily:
     name = DraftFamily.dflash
     title = "DFlash"
-    llamacpp_type: str | None = None
+    llamacpp_type: str | None = "draft-dflash"
     positions = "block slot (acc_0: slot 1)"
     # its own section, the shared init std, and the vocabulary every model file sets (a DFlash
     # draft's config.json records its true vocabulary: the target's)
@@ -136,17 +136,25 @@ class DFlashFamily:
     ) -> SpeculativeDecoder:
         return BlockDecoder(target, draft, settings, eos_ids)
 
+    def proposals(self, arch: Any, num_draft_tokens: int) -> int:
+        """A block is its token and the masks: at most B-1 proposals (as our decoder
+        drafts)."""
+        return min(num_draft_tokens, arch.block_size - 1)
+
     def vllm_method(self, arch: Any, num_draft_tokens: int) -> dict[str, Any]:
-        """A block of its token and num_speculative_tokens masks: at most B-1 proposals (as
-        our decoder drafts)."""
         return {
             "method": "dflash",
-            "num_speculative_tokens": min(num_draft_tokens, arch.block_size - 1),
+            "num_speculative_tokens": self.proposals(arch, num_draft_tokens),
         }
 
     def serve_hint(self, out: Path, fmt: DraftFormat, arch: Any) -> str:
         """vLLM serves it with B-1 speculative tokens (SGLang: B draft tokens,
-        --speculative-algorithm DFLASH)."""
+        --speculative-algorithm DFLASH; llama.cpp: --spec-draft-n-max B-1)."""
+        if fmt == DraftFormat.gguf:
+            return (
+                f"llama-server -m <target.gguf> -md {out}/draft.gguf --spec-type draft-dflash "
+                f"--spec-draft-n-max {arch.block_size - 1}"
+            )
         return (
             "vllm serve <target> --speculative-config "
             f'\'{{"method": "dflash", "model": "{out}", '
@@ -154,5 +162,6 @@ class DFlashFamily:
         )
 
     def layout(self, fmt: DraftFormat) -> DraftFormat:
-        """One layout, vLLM's, which both engines load (speculators' has its own)."""
-        return fmt if fmt == DraftFormat.speculators else DraftFormat.vllm
+        """One layout, vLLM's, which both engines load (speculators' and llama.cpp's GGUF
+        have their own)."""
+        return fmt if fmt in (DraftFormat.speculators, DraftFormat.gguf) else DraftFormat.vllm

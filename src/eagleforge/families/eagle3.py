@@ -168,6 +168,9 @@ class Eagle3Family:
     ) -> SpeculativeDecoder:
         return SpeculativeDecoder(target, draft, settings, eos_ids)
 
+    def proposals(self, arch: Any, num_draft_tokens: int) -> int:
+        return num_draft_tokens
+
     def vllm_method(self, arch: Any, num_draft_tokens: int) -> dict[str, Any]:
         return {"method": "eagle3", "num_speculative_tokens": num_draft_tokens}
 

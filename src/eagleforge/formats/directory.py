@@ -1,7 +1,7 @@
 """A draft directory of any family: which family its ``config.json`` holds, and reading,
 writing and checking it through that family's layout module -- ``eagle3`` (EAGLE-3 and
-P-EAGLE, three layouts), ``dflash`` (one layout, and speculators') or ``gguf`` (an EAGLE-3
-draft for llama.cpp: a GGUF file, alone or as ``DIR/draft.gguf``). The only place in
+P-EAGLE, three layouts), ``dflash`` (one layout, and speculators') or ``gguf`` (an EAGLE-3 or
+DFlash draft for llama.cpp: a GGUF file, alone or as ``DIR/draft.gguf``). The only place in
 ``formats`` that tells the families apart."""
 
 from __future__ import annotations
@@ -32,12 +32,7 @@ from eagleforge.formats.eagle3 import (
     read_eagle3,
     write_eagle3,
 )
-from eagleforge.formats.gguf import (
-    check_eagle3_gguf,
-    holds_gguf,
-    read_eagle3_gguf,
-    write_eagle3_gguf,
-)
+from eagleforge.formats.gguf import check_gguf, gguf_holds_dflash, holds_gguf, read_gguf, write_gguf
 from eagleforge.formats.kinds import DraftFormat, Verifier
 
 FAMILY_NAMES = {
@@ -80,7 +75,7 @@ def read_draft(
     (eagleforge names). A DFlash draft reads as vllm (the layout vLLM and SGLang load) or
     speculators."""
     if holds_gguf(path):
-        return (DraftFormat.gguf, *read_eagle3_gguf(path))
+        return (DraftFormat.gguf, *read_gguf(path))
     config = _config(path)
     if is_dflash(config):
         fmt = DraftFormat.speculators if is_speculators(config) else DraftFormat.vllm
@@ -100,7 +95,7 @@ def read_architecture(path: str | Path) -> AnyArchitecture:
     """The architecture of a draft directory (either family), from its config.json alone (a
     GGUF draft: from its metadata)."""
     if holds_gguf(path):
-        return read_eagle3_gguf(path)[0]
+        return read_gguf(path)[0]
     config = _config(path)
     return dflash_architecture_of(config) if is_dflash(config) else architecture_of(config)
 
@@ -119,17 +114,12 @@ def write_draft(
     and proposes its whole block (``speculative_tokens`` is EAGLE-3's). A GGUF draft carries
     the tokenizer of ``target_gguf``, the target llama.cpp serves it beside."""
     if fmt == DraftFormat.gguf:
-        if isinstance(arch, DFlashArchitecture):
-            raise ConfigError(
-                "export.format=gguf writes EAGLE-3 drafts; export a DFlash draft as "
-                "export.format=vllm (vLLM and SGLang serve it)"
-            )
         if target_gguf is None:
             raise ConfigError(
                 "export.format=gguf needs export.target_gguf: the target's GGUF file, which "
                 "llama.cpp serves the draft beside"
             )
-        return write_eagle3_gguf(arch, tensors, out_dir, target_gguf)
+        return write_gguf(arch, tensors, out_dir, target_gguf)
     if isinstance(arch, DFlashArchitecture):
         return write_dflash(arch, tensors, out_dir, fmt, verifier)
     return write_eagle3(arch, tensors, out_dir, fmt, verifier, speculative_tokens)
@@ -139,7 +129,7 @@ def check_draft(path: str | Path, target_num_layers: int | None = None) -> list[
     """Every problem that would make a draft directory of either family (from any tool) load
     wrongly or accept poorly; an empty list when there is none."""
     if holds_gguf(path):
-        return check_eagle3_gguf(path, target_num_layers)
+        return check_gguf(path, target_num_layers)
     if _holds_dflash(path):
         return check_dflash(path, target_num_layers)
     return check_eagle3(path, target_num_layers)
@@ -151,10 +141,10 @@ def load_checked_draft(
     """``load_draft_dir`` once ``check_draft`` finds no problem; ConfigError listing every
     problem."""
     if holds_gguf(path):
-        problems = check_eagle3_gguf(path, target_num_layers)
+        problems = check_gguf(path, target_num_layers)
         if problems:
-            raise ConfigError(f"{path}: not a usable EAGLE-3 GGUF draft: {'; '.join(problems)}.")
-        return read_eagle3_gguf(path)
+            raise ConfigError(f"{path}: not a usable GGUF draft: {'; '.join(problems)}.")
+        return read_gguf(path)
     if not _holds_dflash(path):
         return load_checked_eagle3(path, target_num_layers)
     problems = check_dflash(path, target_num_layers)
@@ -168,11 +158,10 @@ def family_problem(path: str | Path, family: DraftFamily) -> str | None:
     (its tensors would not fit, name by name): which family it is and the ``draft=`` that
     takes it. None when it is of ``family``, or unreadable (``check_draft`` names that)."""
     try:
-        found = (
-            DraftFamily.eagle3  # llama.cpp's GGUF drafts are EAGLE-3's
-            if holds_gguf(path)
-            else family_in(json.loads((Path(path) / "config.json").read_text()))
-        )
+        if holds_gguf(path):
+            found = DraftFamily.dflash if gguf_holds_dflash(path) else DraftFamily.eagle3
+        else:
+            found = family_in(json.loads((Path(path) / "config.json").read_text()))
     except (OSError, ValueError):
         return None
     if found == family:

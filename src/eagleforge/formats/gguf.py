@@ -1,9 +1,10 @@
-"""An EAGLE-3 draft as the GGUF file llama.cpp serves beside a GGUF target:
+"""A draft as the GGUF file llama.cpp serves beside a GGUF target:
 
-    llama-server -m target.gguf -md DIR/draft.gguf --spec-type draft-eagle3
+    llama-server -m target.gguf -md DIR/draft.gguf --spec-type draft-eagle3   # or draft-dflash
 
-The layout is the one llama.cpp's own ``convert_hf_to_gguf.py`` writes for an EAGLE-3 draft
-(architecture ``eagle3``; checked tensor by tensor against it in the engine tests):
+Two layouts, each the one llama.cpp's own ``convert_hf_to_gguf.py`` writes (checked tensor by
+tensor against it in tests/engine/test_llamacpp_converter.py). An EAGLE-3 draft (architecture
+``eagle3``):
 
 | eagleforge | GGUF |
 |---|---|
@@ -15,37 +16,47 @@ The layout is the one llama.cpp's own ``convert_hf_to_gguf.py`` writes for an EA
 | ``norm.weight`` / ``lm_head.weight`` | ``output_norm.weight`` / ``output.weight`` |
 | ``d2t`` (offsets) | ``d2t`` (absolute target ids, I64); ``t2d`` is rebuilt from it |
 
-The aux layers are ``eagle3.target_layers`` in vLLM's numbering (the input of layer k), which
-is llama.cpp's: it taps ``llama_set_embeddings_layer_inp`` of each. The tokenizer is copied
-from the target's own GGUF, so that llama.cpp finds the two vocabularies identical.
+A DFlash draft (architecture ``dflash``, llama.cpp's NeoX RoPE: the rows stay in Hugging
+Face's order): ``fc.weight``, ``hidden_norm`` as ``enc.output_norm``, ``norm`` as
+``output_norm``, layer i as ``blk.i.*`` (``attn_q_norm`` / ``attn_k_norm`` for the per-head
+norms), no embedding and no ``output.weight`` (llama.cpp shares the target's, as vLLM does),
+the block size as ``dflash.block_size`` and the mask token as ``tokenizer.ggml.mask_token_id``.
 
-llama.cpp (b11434) runs the EAGLE-3 layer and ``norm_before_fc`` and ``norm_before_residual``;
-a draft trained with anything else would be served differently from how it was trained, so
-``gguf_refusals`` names it and the export refuses.
+The aux layers are written in vLLM's numbering (the input of layer k), which is llama.cpp's:
+it taps ``llama_set_embeddings_layer_inp`` of each. The tokenizer is copied from the target's
+own GGUF, so that llama.cpp finds the two vocabularies identical.
+
+llama.cpp (b11434) runs EAGLE-3 with ``norm_before_fc`` and ``norm_before_residual``, and the
+Qwen3-style DFlash layers eagleforge trains; a draft trained with anything else would be
+served differently from how it was trained, so ``gguf_refusals`` names it and the export
+refuses.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import unreadable_reason
 from eagleforge.formats.kinds import GGUF_ARCHITECTURE, DraftFormat
 
 GGUF_FILE = "draft.gguf"
+DFLASH_GGUF_ARCHITECTURE = "dflash"  # general.architecture of llama.cpp's DFlash drafts
 # llama.cpp numbers aux layers as vLLM does: the input of layer k (eagleforge's output of
 # layer k-1)
 LAYER_ID_OFFSET = DraftFormat.gguf.layer_id_offset
+MASK_TOKEN_KEY = "tokenizer.ggml.mask_token_id"
 
 # eagleforge's tensor names (the decoder layer under ``midlayer.``) -> GGUF names
-_TENSORS = {
+_EAGLE3_TENSORS = {
     "fc.weight": "fc.weight",
     "input_norm.weight": "enc.output_norm.weight",
     "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
@@ -61,13 +72,54 @@ _TENSORS = {
     "norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-_FROM_GGUF = {v: k for k, v in _TENSORS.items()}
+
+# a DFlash draft's tensors outside its layers, and in each layer i (``layers.{i}.`` ->
+# ``blk.{i}.``)
+_DFLASH_TENSORS = {
+    "fc.weight": "fc.weight",
+    "hidden_norm.weight": "enc.output_norm.weight",
+    "norm.weight": "output_norm.weight",
+}
+_DFLASH_LAYER_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+AnyGGUFArchitecture = TypeVar("AnyGGUFArchitecture", DraftArchitecture, DFlashArchitecture)
 
 
-def gguf_refusals(arch: DraftArchitecture) -> list[str]:
+def _dflash_names(num_layers: int) -> dict[str, str]:
+    """A DFlash draft's eagleforge tensor names -> GGUF names."""
+    names = dict(_DFLASH_TENSORS)
+    for i in range(num_layers):
+        names.update(
+            {
+                f"layers.{i}.{ours}": f"blk.{i}.{theirs}"
+                for ours, theirs in _DFLASH_LAYER_TENSORS.items()
+            }
+        )
+    return names
+
+
+def gguf_refusals(arch: DraftArchitecture | DFlashArchitecture) -> list[str]:
     """What in a draft llama.cpp would not run as it was trained (an empty list when it
     serves the draft faithfully), each naming the setting and what to do."""
     refusals = []
+    if arch.attention_bias:
+        refusals.append(f"attention biases: llama.cpp's {_architecture_name(arch)} layer has none")
+    if arch.rope_scaling is not None:
+        refusals.append(f"RoPE scaling {arch.rope_scaling}: the GGUF export writes plain RoPE only")
+    if isinstance(arch, DFlashArchitecture):  # its layers are llama.cpp's (Qwen3's)
+        return refusals
     if arch.norm_output:
         refusals.append(
             "draft.norm_output=true: llama.cpp feeds the state before the final norm to the "
@@ -83,20 +135,20 @@ def gguf_refusals(arch: DraftArchitecture) -> list[str]:
         refusals.append(
             "a parallel-drafting (P-EAGLE) draft: llama.cpp drafts EAGLE-3 one token at a time"
         )
-    if arch.attention_bias:
-        refusals.append("attention biases: llama.cpp's eagle3 layer has none")
     if arch.hidden_act != "silu":
         refusals.append(f"hidden_act={arch.hidden_act}: llama.cpp's eagle3 layer uses silu")
-    if arch.rope_scaling is not None:
-        refusals.append(f"RoPE scaling {arch.rope_scaling}: the GGUF export writes plain RoPE only")
     if len(arch.aux_layer_ids) != 3:
         refusals.append(f"{len(arch.aux_layer_ids)} aux layers: llama.cpp reads exactly 3")
     return refusals
 
 
+def _architecture_name(arch: DraftArchitecture | DFlashArchitecture) -> str:
+    return DFLASH_GGUF_ARCHITECTURE if isinstance(arch, DFlashArchitecture) else GGUF_ARCHITECTURE
+
+
 def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows of a q or k projection from Hugging Face's RoPE order (two halves) to GGUF's
-    (interleaved pairs), as llama.cpp's converter reorders them."""
+    (interleaved pairs), as llama.cpp's converter reorders them for a llama-style layer."""
     rows = weight.shape[0]
     return (
         weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
@@ -120,11 +172,13 @@ def _array(tensor: torch.Tensor) -> tuple[np.ndarray, Any]:
 
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy(), gguf.GGMLQuantizationType.BF16
+    if tensor.dtype == torch.int64:
+        return tensor.numpy(), gguf.GGMLQuantizationType.I64
     return tensor.numpy(), None
 
 
 def target_tokenizer_fields(target_gguf: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the target GGUF's llama hyperparameters by key suffix, its ``tokenizer.*`` fields as
+    """(the target GGUF's hyperparameters by key suffix, its ``tokenizer.*`` fields as
     (value, type, sub_type)); ConfigError naming the file when it does not read."""
     import gguf
 
@@ -145,6 +199,8 @@ def target_tokenizer_fields(target_gguf: Path) -> tuple[dict[str, Any], dict[str
         if name.startswith("tokenizer."):
             sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             tokenizer[name] = (field.contents(), field.types[0], sub)
+    if "vocab_size" not in hparams and "tokenizer.ggml.tokens" in tokenizer:
+        hparams["vocab_size"] = len(tokenizer["tokenizer.ggml.tokens"][0])
     return hparams, tokenizer
 
 
@@ -165,7 +221,9 @@ def gguf_weight_type(path: Path) -> str:
     return {"all_f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(name, name)
 
 
-def target_mismatch(arch: DraftArchitecture, hparams: dict[str, Any]) -> list[str]:
+def target_mismatch(
+    arch: DraftArchitecture | DFlashArchitecture, hparams: dict[str, Any]
+) -> list[str]:
     """Where the target GGUF is not the target the draft was trained for."""
     problems = []
     if hparams.get("embedding_length") != arch.target_hidden_size:
@@ -186,8 +244,8 @@ def target_mismatch(arch: DraftArchitecture, hparams: dict[str, Any]) -> list[st
     return problems
 
 
-def write_eagle3_gguf(
-    arch: DraftArchitecture,
+def write_gguf(
+    arch: DraftArchitecture | DFlashArchitecture,
     tensors: dict[str, torch.Tensor],
     out_dir: str | Path,
     target_gguf: str | Path,
@@ -209,11 +267,9 @@ def write_eagle3_gguf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # it logs its temp path
-    writer = gguf.GGUFWriter(str(out / GGUF_FILE), GGUF_ARCHITECTURE)
-    a = GGUF_ARCHITECTURE
+    a = _architecture_name(arch)
+    writer = gguf.GGUFWriter(str(out / GGUF_FILE), a)
     writer.add_type("model")
-    writer.add_name("eagleforge EAGLE-3 draft")
-    writer.add_uint32(f"{a}.block_count", 1)
     writer.add_uint32(f"{a}.context_length", arch.max_position_embeddings)
     writer.add_uint32(f"{a}.embedding_length", arch.hidden_size)
     writer.add_uint32(f"{a}.feed_forward_length", arch.intermediate_size)
@@ -223,44 +279,69 @@ def write_eagle3_gguf(
     writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", arch.rms_norm_eps)
     writer.add_uint32(f"{a}.attention.key_length", arch.head_dim)
     writer.add_uint32(f"{a}.attention.value_length", arch.head_dim)
-    writer.add_uint32(f"{a}.vocab_size", arch.vocab_size)
-    writer.add_uint32(f"{a}.rope.dimension_count", arch.head_dim)
     writer.add_key_value(
         f"{a}.target_layers",
         [i + LAYER_ID_OFFSET for i in arch.aux_layer_ids],
         gguf.GGUFValueType.ARRAY,
         gguf.GGUFValueType.INT32,
     )
-    writer.add_uint32(f"{a}.target_hidden_size", arch.target_hidden_size)
-    writer.add_bool(f"{a}.norm_before_residual", arch.norm_before_residual)
-    writer.add_bool(f"{a}.norm_before_fc", arch.norm_before_fc)
     writer.add_string("eagleforge.target_model_type", arch.target_model_type)
+    if isinstance(arch, DFlashArchitecture):
+        writer.add_name("eagleforge DFlash draft")
+        writer.add_uint32(f"{a}.block_count", arch.num_hidden_layers)
+        writer.add_uint32(f"{a}.block_size", arch.block_size)
+        writer.add_uint32("eagleforge.num_target_layers", arch.num_target_layers)
+        # the draft's own mask token, whatever the target's tokenizer says
+        tokenizer[MASK_TOKEN_KEY] = (arch.mask_token_id, gguf.GGUFValueType.UINT32, None)
+        named = {
+            theirs: tensors[ours] for ours, theirs in _dflash_names(arch.num_hidden_layers).items()
+        }
+    else:
+        writer.add_name("eagleforge EAGLE-3 draft")
+        writer.add_uint32(f"{a}.block_count", 1)
+        writer.add_uint32(f"{a}.vocab_size", arch.vocab_size)
+        writer.add_uint32(f"{a}.rope.dimension_count", arch.head_dim)
+        writer.add_uint32(f"{a}.target_hidden_size", arch.target_hidden_size)
+        writer.add_bool(f"{a}.norm_before_residual", arch.norm_before_residual)
+        writer.add_bool(f"{a}.norm_before_fc", arch.norm_before_fc)
+        named = _eagle3_gguf_tensors(arch, tensors)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, (value, vtype, sub) in tokenizer.items():
         writer.add_key_value(name, value, vtype, sub)
-    floats = {v.dtype for k, v in tensors.items() if v.is_floating_point()}
+    floats = {v.dtype for v in named.values() if v.is_floating_point()}
     writer.add_file_type(
         {torch.float16: 1, torch.bfloat16: 32}.get(next(iter(floats)), 0) if floats else 0
     )
-    for name, gguf_name in _TENSORS.items():
-        if name not in tensors:
-            continue
-        tensor = tensors[name].detach().contiguous().cpu()
-        if name.endswith("q_proj.weight"):
-            tensor = _permute(tensor, arch.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            tensor = _permute(tensor, arch.num_key_value_heads)
-        if tensor.dim() == 1:  # norms stay fp32, as llama.cpp's converter keeps them
-            tensor = tensor.float()
+    for gguf_name, tensor in named.items():
+        tensor = tensor.detach().contiguous().cpu()
+        if tensor.dim() == 1 and tensor.is_floating_point():
+            tensor = tensor.float()  # norms stay fp32, as llama.cpp's converter keeps them
         data, raw = _array(tensor.contiguous())
         writer.add_tensor(gguf_name, data, raw_dtype=raw)
-    absolute = tensors["d2t"].to(torch.int64) + torch.arange(len(tensors["d2t"]))
-    writer.add_tensor("d2t", absolute.numpy(), raw_dtype=gguf.GGMLQuantizationType.I64)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _eagle3_gguf_tensors(
+    arch: DraftArchitecture, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 draft's tensors by GGUF name: q and k rows in llama.cpp's RoPE order, d2t as
+    absolute target ids."""
+    named = {}
+    for name, gguf_name in _EAGLE3_TENSORS.items():
+        if name not in tensors:
+            continue
+        tensor = tensors[name]
+        if name.endswith("q_proj.weight"):
+            tensor = _permute(tensor, arch.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _permute(tensor, arch.num_key_value_heads)
+        named[gguf_name] = tensor
+    named["d2t"] = tensors["d2t"].to(torch.int64) + torch.arange(len(tensors["d2t"]))
+    return named
 
 
 def gguf_path(path: str | Path) -> Path:
@@ -275,21 +356,36 @@ def holds_gguf(path: str | Path) -> bool:
     return path.suffix == ".gguf" or (path / GGUF_FILE).is_file()
 
 
-def read_eagle3_gguf(path: str | Path) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
-    """An EAGLE-3 GGUF draft's architecture and tensors (eagleforge's names, Hugging Face row
-    order, ``d2t`` as offsets and ``t2d`` rebuilt); CheckpointError naming what is wrong."""
+def gguf_holds_dflash(path: str | Path) -> bool:
+    """Whether a GGUF draft is llama.cpp's DFlash (False when unreadable: the checks name
+    that)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(gguf_path(path))).fields.get("general.architecture")
+    except Exception:  # gguf raises ValueError, OSError, struct errors
+        return False
+    return field is not None and field.contents() == DFLASH_GGUF_ARCHITECTURE
+
+
+def read_gguf(
+    path: str | Path,
+) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+    """A GGUF draft's architecture and tensors (eagleforge's names, Hugging Face row order; an
+    EAGLE-3 draft's ``d2t`` as offsets and ``t2d`` rebuilt); CheckpointError naming what is
+    wrong."""
     problems, arch, tensors = _inspect(gguf_path(path), None)
     if arch is None or problems:
         raise CheckpointError(f"{gguf_path(path)}: {'; '.join(problems)}")
     return arch, tensors
 
 
-def check_eagle3_gguf(path: str | Path, target_num_layers: int | None = None) -> list[str]:
+def check_gguf(path: str | Path, target_num_layers: int | None = None) -> list[str]:
     """Every problem that would make a GGUF draft load wrongly in llama.cpp or accept poorly."""
     return _inspect(gguf_path(path), target_num_layers)[0]
 
 
-def float32_rounded(arch: DraftArchitecture) -> DraftArchitecture:
+def float32_rounded(arch: AnyGGUFArchitecture) -> AnyGGUFArchitecture:
     """``arch`` with the fields GGUF stores as float32 rounded to float32, as a GGUF reads."""
     return replace(
         arch,
@@ -298,9 +394,32 @@ def float32_rounded(arch: DraftArchitecture) -> DraftArchitecture:
     )
 
 
+@dataclass
+class _File:
+    """A GGUF draft as read: its metadata, its tensors as torch tensors (GGUF names, row-major
+    shapes), and what did not read."""
+
+    fields: dict[str, Any]
+    raw: dict[str, torch.Tensor]
+    problems: list[str]
+
+    def hparam(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(f"{self.fields['general.architecture']}.{key}", default)
+
+
+_NEEDED = (
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "context_length",
+)
+
+
 def _inspect(
     file: Path, target_num_layers: int | None
-) -> tuple[list[str], DraftArchitecture | None, dict[str, torch.Tensor]]:
+) -> tuple[list[str], DraftArchitecture | DFlashArchitecture | None, dict[str, torch.Tensor]]:
     import gguf
 
     if not file.is_file():
@@ -311,31 +430,20 @@ def _inspect(
         return [f"{file}: not a readable GGUF file ({unreadable_reason(e)})"], None, {}
     fields = {name: field.contents() for name, field in reader.fields.items()}
     found = fields.get("general.architecture")
-    if found != GGUF_ARCHITECTURE:
-        return [f"general.architecture is {found!r}, an EAGLE-3 draft is 'eagle3'"], None, {}
-    a = GGUF_ARCHITECTURE
-    problems = []
-    needed = [
-        "embedding_length",
-        "feed_forward_length",
-        "attention.head_count",
-        "attention.head_count_kv",
-        "attention.layer_norm_rms_epsilon",
-        "context_length",
-        "vocab_size",
-        "target_hidden_size",
-    ]
-    missing = [f"{a}.{key}" for key in needed if f"{a}.{key}" not in fields]
+    if found not in (GGUF_ARCHITECTURE, DFLASH_GGUF_ARCHITECTURE):
+        return (
+            [f"general.architecture is {found!r}, a draft is 'eagle3' (EAGLE-3) or 'dflash'"],
+            None,
+            {},
+        )
+    dflash = found == DFLASH_GGUF_ARCHITECTURE
+    needed = (*_NEEDED, "block_size") if dflash else (*_NEEDED, "vocab_size", "target_hidden_size")
+    missing = [f"{found}.{key}" for key in needed if f"{found}.{key}" not in fields]
+    if dflash and MASK_TOKEN_KEY not in fields:
+        missing.append(MASK_TOKEN_KEY)
     if missing:
         return [f"no {', '.join(missing)} in the GGUF metadata"], None, {}
-    layer_ids = list(fields.get(f"{a}.target_layers") or [])
-    if len(layer_ids) != 3:
-        problems.append(f"{a}.target_layers must list 3 target layers, got {layer_ids}")
-    elif target_num_layers is not None and not all(0 <= i < target_num_layers for i in layer_ids):
-        problems.append(
-            f"{a}.target_layers {layer_ids} (input of layer) are outside the target's "
-            f"0..{target_num_layers - 1}"
-        )
+    problems: list[str] = []
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         data = np.array(t.data)
@@ -351,13 +459,57 @@ def _inspect(
             problems.append(f"{t.name} is {t.tensor_type.name}: only F32, F16 and BF16 read back")
             continue
         raw[t.name] = tensor.reshape([int(n) for n in reversed(t.shape)])
-    heads, kv_heads = fields[f"{a}.attention.head_count"], fields[f"{a}.attention.head_count_kv"]
-    hidden = fields[f"{a}.embedding_length"]
+    read = _File(fields, raw, problems)
+    layer_ids = list(read.hparam("target_layers") or [])
+    if dflash:
+        _check_dflash_taps(read, layer_ids, target_num_layers)
+        return _dflash_from(read, layer_ids)
+    if len(layer_ids) != 3:
+        problems.append(f"{found}.target_layers must list 3 target layers, got {layer_ids}")
+    else:
+        _check_range(read, layer_ids, target_num_layers)
+    return _eagle3_from(read, layer_ids)
+
+
+def _check_range(read: _File, layer_ids: list[int], target_num_layers: int | None) -> None:
+    if target_num_layers is not None and not all(0 <= i < target_num_layers for i in layer_ids):
+        read.problems.append(
+            f"{read.fields['general.architecture']}.target_layers {layer_ids} (input of layer) "
+            f"are outside the target's 0..{target_num_layers - 1}"
+        )
+
+
+def _check_dflash_taps(read: _File, layer_ids: list[int], target_num_layers: int | None) -> None:
+    if not layer_ids:
+        read.problems.append("dflash.target_layers is missing: llama.cpp refuses the draft")
+        return
+    _check_range(read, layer_ids, target_num_layers)
+
+
+def _matching_dtype(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The norms, written in fp32 whatever the weights' dtype, read back in the matrices'."""
+    matrices = {v.dtype for v in tensors.values() if v.dim() == 2}
+    if len(matrices) != 1:
+        return tensors
+    dtype = next(iter(matrices))
+    return {
+        k: v.to(dtype) if v.dim() == 1 and v.is_floating_point() else v for k, v in tensors.items()
+    }
+
+
+def _eagle3_from(
+    read: _File, layer_ids: list[int]
+) -> tuple[list[str], DraftArchitecture, dict[str, torch.Tensor]]:
+    """An EAGLE-3 GGUF's architecture and tensors, eagleforge's names."""
+    a, problems, fields = GGUF_ARCHITECTURE, read.problems, read.fields
+    from_gguf = {v: k for k, v in _EAGLE3_TENSORS.items()}
+    heads, kv_heads = read.hparam("attention.head_count"), read.hparam("attention.head_count_kv")
+    hidden = read.hparam("embedding_length")
     tensors: dict[str, torch.Tensor] = {}
-    for gguf_name, tensor in raw.items():
+    for gguf_name, tensor in read.raw.items():
         if gguf_name == "d2t":
             continue
-        name = _FROM_GGUF.get(gguf_name)
+        name = from_gguf.get(gguf_name)
         if name is None:
             problems.append(f"{gguf_name}: not a tensor of an EAGLE-3 draft")
             continue
@@ -366,13 +518,9 @@ def _inspect(
         elif name.endswith("k_proj.weight"):
             tensor = _unpermute(tensor, kv_heads)
         tensors[name] = tensor
-    # the norms are written in fp32 whatever the weights' dtype: read them back in it
-    matrices = {v.dtype for v in tensors.values() if v.dim() == 2}
-    if len(matrices) == 1:
-        dtype = next(iter(matrices))
-        tensors = {k: v.to(dtype) if v.dim() == 1 else v for k, v in tensors.items()}
-    vocab = fields[f"{a}.vocab_size"]
-    d2t = raw.get("d2t")
+    tensors = _matching_dtype(tensors)
+    vocab = read.hparam("vocab_size")
+    d2t = read.raw.get("d2t")
     head = tensors.get("lm_head.weight")
     if d2t is None or d2t.dtype != torch.int64 or d2t.dim() != 1:
         problems.append("no int64 d2t: llama.cpp would read draft ids as target ids")
@@ -392,28 +540,102 @@ def _inspect(
         problems.append(
             f"output.weight has shape {tuple(head.shape)}, expected ({draft_vocab}, {hidden})"
         )
-    norm_before_fc = bool(fields.get(f"{a}.norm_before_fc", False))
+    norm_before_fc = bool(read.hparam("norm_before_fc", False))
     if norm_before_fc != ("input_norm.weight" in tensors):
         problems.append(
             f"{a}.norm_before_fc is {str(norm_before_fc).lower()} but enc.output_norm.weight is "
             f"{'missing' if norm_before_fc else 'present'}"
         )
-    key_length = fields.get(f"{a}.attention.key_length", hidden // heads)
     arch = DraftArchitecture(
         hidden_size=hidden,
-        intermediate_size=fields[f"{a}.feed_forward_length"],
+        intermediate_size=read.hparam("feed_forward_length"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=key_length,
-        rms_norm_eps=float(fields[f"{a}.attention.layer_norm_rms_epsilon"]),
-        rope_theta=float(fields.get(f"{a}.rope.freq_base", 10000.0)),
-        max_position_embeddings=fields[f"{a}.context_length"],
+        head_dim=read.hparam("attention.key_length", hidden // heads),
+        rms_norm_eps=float(read.hparam("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(read.hparam("rope.freq_base", 10000.0)),
+        max_position_embeddings=read.hparam("context_length"),
         vocab_size=vocab,
         draft_vocab_size=draft_vocab,
-        target_hidden_size=fields[f"{a}.target_hidden_size"],
+        target_hidden_size=read.hparam("target_hidden_size"),
         aux_layer_ids=[i - LAYER_ID_OFFSET for i in layer_ids],
         target_model_type=fields.get("eagleforge.target_model_type", "llama"),
         norm_before_fc=norm_before_fc,
-        norm_before_residual=bool(fields.get(f"{a}.norm_before_residual", False)),
+        norm_before_residual=bool(read.hparam("norm_before_residual", False)),
     )
     return problems, arch, tensors
+
+
+# what llama.cpp's DFlash loader also reads, which eagleforge's DFlash drafts never have
+_DFLASH_EXTRAS = {
+    "output.weight": "its own lm_head",
+    "token_embd.weight": "its own embedding",
+    "d2t": "a reduced draft vocabulary",
+    "selector_hidden.weight": "DFlash2's selector",
+    "markov_w1.weight": "DSpark's Markov head",
+}
+
+
+def _dflash_from(
+    read: _File, layer_ids: list[int]
+) -> tuple[list[str], DFlashArchitecture, dict[str, torch.Tensor]]:
+    """A DFlash GGUF's architecture and tensors, eagleforge's names."""
+    problems, fields = read.problems, read.fields
+    layers = int(read.hparam("block_count", 0))
+    hidden = read.hparam("embedding_length")
+    from_gguf = {v: k for k, v in _dflash_names(layers).items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for gguf_name, tensor in read.raw.items():
+        name = from_gguf.get(gguf_name)
+        if name is not None:
+            tensors[name] = tensor
+        elif gguf_name in _DFLASH_EXTRAS:
+            problems.append(
+                f"{gguf_name}: {_DFLASH_EXTRAS[gguf_name]}, which eagleforge's DFlash drafts do "
+                "not have (llama.cpp serves it; eagleforge cannot read it back)"
+            )
+        else:
+            problems.append(f"{gguf_name}: not a tensor of a DFlash draft")
+    missing = [name for name in from_gguf if name not in read.raw]
+    if missing:
+        problems.append(f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    fc = read.raw.get("fc.weight")
+    if fc is not None and layer_ids and tuple(fc.shape) != (hidden, len(layer_ids) * hidden):
+        problems.append(
+            f"fc.weight has shape {tuple(fc.shape)}, expected ({hidden}, "
+            f"{len(layer_ids) * hidden}) for {len(layer_ids)} taps"
+        )
+    if read.hparam("attention.causal", False):
+        problems.append(
+            "dflash.attention.causal is true: eagleforge's DFlash blocks are bidirectional"
+        )
+    if read.hparam("attention.sliding_window"):
+        problems.append("dflash.attention.sliding_window: eagleforge's DFlash layers attend fully")
+    vocab = len(fields.get("tokenizer.ggml.tokens") or [])
+    mask = int(fields[MASK_TOKEN_KEY])
+    if not 0 <= mask < vocab:
+        problems.append(f"{MASK_TOKEN_KEY}={mask} is outside the vocabulary (0..{vocab - 1})")
+    block_size = int(read.hparam("block_size"))
+    if block_size < 2:
+        problems.append(f"dflash.block_size={block_size}: a block is a token and >= 1 proposal")
+    arch = DFlashArchitecture(
+        hidden_size=hidden,
+        intermediate_size=read.hparam("feed_forward_length"),
+        num_hidden_layers=layers,
+        num_attention_heads=read.hparam("attention.head_count"),
+        num_key_value_heads=read.hparam("attention.head_count_kv"),
+        head_dim=read.hparam("attention.key_length", hidden // read.hparam("attention.head_count")),
+        rms_norm_eps=float(read.hparam("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(read.hparam("rope.freq_base", 10000.0)),
+        max_position_embeddings=read.hparam("context_length"),
+        vocab_size=vocab,
+        target_hidden_size=hidden,
+        num_target_layers=int(
+            fields.get("eagleforge.num_target_layers", max(layer_ids, default=0) + 1)
+        ),
+        aux_layer_ids=[i - LAYER_ID_OFFSET for i in layer_ids],
+        block_size=block_size,
+        mask_token_id=mask,
+        target_model_type=fields.get("eagleforge.target_model_type", "llama"),
+    )
+    return problems, arch, _matching_dtype(tensors)
