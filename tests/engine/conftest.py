@@ -56,3 +56,16 @@ def smollm2_checkpoint(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFacto
     )
     draft = random_draft(target, 4096, 0.02, seed=0)
     return export_sglang(draft, tmp_path_factory.mktemp("draft") / "step_00000000")
+
+
+@pytest.fixture(scope="session")
+def llamacpp_source(llama_server: Path) -> Path:
+    """The llama.cpp source tree ``make llamacpp`` built the server from (its
+    ``convert_hf_to_gguf.py`` and ``gguf-py``), beside the server in the machine's cache."""
+    source = llama_server.parent.parent / "src" / "llama.cpp"
+    if not (source / "convert_hf_to_gguf.py").is_file():
+        why = f"no llama.cpp source beside {llama_server}: `make llamacpp` keeps it there"
+        if os.environ.get("EAGLEFORGE_REQUIRE_LLAMACPP") == "1":
+            pytest.fail(f"the llama.cpp tier must run here: {why}")
+        pytest.skip(why)
+    return source

@@ -6,20 +6,14 @@ one accepts less -- the check that catches a layer-offset bug."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from eagleforge.config import compose_config
-from helpers.engine import edited_copy, evaluate_on_smollm2, the_targets_answers
+from helpers.engine import edited_copy, evaluate_on_smollm2, shift_dflash_taps, the_targets_answers
 from helpers.runs import tiny_run_overrides
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-
-def shift_taps(config: dict[str, Any]) -> None:
-    taps = config["dflash_config"]["target_layer_ids"]
-    config["dflash_config"]["target_layer_ids"] = [i + 1 for i in taps]
 
 
 def test_a_trained_dflash_draft_is_served_by_vllm_as_our_decoder_drafts(
@@ -46,7 +40,7 @@ def test_a_trained_dflash_draft_is_served_by_vllm_as_our_decoder_drafts(
     assert any("dflash" in path.read_text().lower() for path in log)
 
     # the negative control: the same weights told to tap the layers one above
-    shifted = edited_copy(result.checkpoint, tmp_path / "shifted", shift_taps)
+    shifted = edited_copy(result.checkpoint, tmp_path / "shifted", shift_dflash_taps)
     (wrong,) = evaluate_on_smollm2(shifted, tmp_path / "wrong", "[vllm]", "eval.baseline=false")
     # adjacent layers' states are alike, so the drop can be small, but it is always there
     # (docs/dflash.md: tau 1.222 -> 1.205)

@@ -4,8 +4,9 @@ warm-up, ~35 s instead of ~70-135 s on 2 cores), 1 GiB of KV cache, 1,024-token 
 And what the tests of trained drafts served by vLLM share: ``the_targets_answers`` (data a
 draft learns its target from in a minute), ``evaluate_on_smollm2`` (the evaluation of a draft
 on the first of those prompts, in fp32, in the engines named) and ``edited_copy`` (a draft
-directory with its config.json changed, for the negative controls, and ``shift_taps``, the
-edit that moves an EAGLE-3 checkpoint's taps one layer up).
+directory with its config.json changed, for the negative controls, and ``shift_taps`` /
+``shift_dflash_taps``, the edits that move an EAGLE-3 or DFlash checkpoint's taps one layer
+up).
 """
 
 from __future__ import annotations
@@ -89,3 +90,9 @@ def shift_taps(config: dict[str, Any]) -> None:
         where["eagle_aux_hidden_state_layer_ids"] = [
             i + 1 for i in where["eagle_aux_hidden_state_layer_ids"]
         ]
+
+
+def shift_dflash_taps(config: dict[str, Any]) -> None:
+    """A DFlash checkpoint's config.json told to tap the layers one above."""
+    taps = config["dflash_config"]["target_layer_ids"]
+    config["dflash_config"]["target_layer_ids"] = [i + 1 for i in taps]
