@@ -69,3 +69,19 @@ def llamacpp_source(llama_server: Path) -> Path:
             pytest.fail(f"the llama.cpp tier must run here: {why}")
         pytest.skip(why)
     return source
+
+
+@pytest.fixture(scope="session")
+def answers_store(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The target's own answers to the prompts it is served on (``the_targets_answers``) with
+    their hidden states captured once: the data overrides of a run that trains on them offline
+    (the same draft as online, a third of the time)."""
+    from helpers.engine import the_targets_answers
+    from helpers.runs import prepare_store, tiny_run_overrides
+
+    root = tmp_path_factory.mktemp("answers")
+    data = the_targets_answers(smollm2_dir, root / "answers.jsonl")
+    overrides = ["+model=smollm2", "data=jsonl", f"data.path={data}", "data.max_length=256",
+                 "data.num_eval_samples=0", "data.packing=false"]  # fmt: skip
+    store = prepare_store(root, *tiny_run_overrides(root, *overrides, name=None))
+    return [*overrides, f"data.features={store}"]

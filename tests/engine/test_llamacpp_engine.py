@@ -18,7 +18,6 @@ from helpers.engine import (
     evaluate_on_smollm2,
     shift_dflash_taps,
     shift_taps,
-    the_targets_answers,
 )
 from helpers.runs import tiny_run_overrides
 
@@ -26,14 +25,12 @@ pytestmark = pytest.mark.engine
 
 
 def test_a_trained_draft_is_served_by_llamacpp_losslessly_and_accepted(
-    llama_server: Path, smollm2_dir: Path, tmp_path: Path
+    llama_server: Path, answers_store: list[str], tmp_path: Path
 ) -> None:
     from eagleforge.train import run
 
-    data = the_targets_answers(smollm2_dir, tmp_path / "answers.jsonl")
     result = run(compose_config(tiny_run_overrides(
-        tmp_path, "+model=smollm2", "data=jsonl", f"data.path={data}", "data.max_length=256",
-        "data.num_eval_samples=0", "data.packing=false", "draft.ttt_length=3",
+        tmp_path, *answers_store, "draft.ttt_length=3",
         "draft.norm_before_fc=true", "trainer.max_num_steps=160", "trainer.batch_size=6",
         "trainer.compute_dtype=bfloat16", "optimizer.lr=5e-3", name="train",
     )))  # fmt: skip
@@ -55,14 +52,12 @@ def test_a_trained_draft_is_served_by_llamacpp_losslessly_and_accepted(
 
 
 def test_a_trained_dflash_draft_is_served_by_llamacpp_losslessly_and_accepted(
-    llama_server: Path, smollm2_dir: Path, tmp_path: Path
+    llama_server: Path, answers_store: list[str], tmp_path: Path
 ) -> None:
     from eagleforge.train import run
 
-    data = the_targets_answers(smollm2_dir, tmp_path / "answers.jsonl")
     result = run(compose_config(tiny_run_overrides(
-        tmp_path, "+model=smollm2", "data=jsonl", f"data.path={data}", "data.max_length=256",
-        "data.num_eval_samples=0", "data.packing=false", "draft=dflash",
+        tmp_path, *answers_store, "draft=dflash",
         "draft.dflash.num_layers=1", "draft.dflash.block_size=4", "draft.dflash.num_anchors=16",
         "draft.dflash.mask_token_id=16", "trainer.max_num_steps=160", "trainer.batch_size=6",
         "trainer.compute_dtype=bfloat16", "optimizer.lr=5e-3", name="train",

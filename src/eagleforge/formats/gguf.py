@@ -437,7 +437,11 @@ def _inspect(
             {},
         )
     dflash = found == DFLASH_GGUF_ARCHITECTURE
-    needed = (*_NEEDED, "block_size") if dflash else (*_NEEDED, "vocab_size", "target_hidden_size")
+    needed = (
+        (*_NEEDED, "block_count", "block_size")
+        if dflash
+        else (*_NEEDED, "vocab_size", "target_hidden_size")
+    )
     missing = [f"{found}.{key}" for key in needed if f"{found}.{key}" not in fields]
     if dflash and MASK_TOKEN_KEY not in fields:
         missing.append(MASK_TOKEN_KEY)
@@ -581,7 +585,7 @@ def _dflash_from(
 ) -> tuple[list[str], DFlashArchitecture, dict[str, torch.Tensor]]:
     """A DFlash GGUF's architecture and tensors, eagleforge's names."""
     problems, fields = read.problems, read.fields
-    layers = int(read.hparam("block_count", 0))
+    layers = int(read.hparam("block_count"))
     hidden = read.hparam("embedding_length")
     from_gguf = {v: k for k, v in _dflash_names(layers).items()}
     tensors: dict[str, torch.Tensor] = {}
