@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.atomic import atomic_directory
 from eagleforge.config import check_cli_overrides, conf_dir, register_configs
+from eagleforge.draft.family import AnyArchitecture
 from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.families import family_of
 from eagleforge.files import resolve_cache_dir, unwritable_reason
@@ -168,7 +169,9 @@ def export(cfg: ExportConfig) -> Path:
     return out
 
 
-def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch.Tensor]) -> None:
+def _verify(
+    path: Path, fmt: DraftFormat, arch: AnyArchitecture, tensors: dict[str, torch.Tensor]
+) -> None:
     """Read an export back: its format, architecture and every tensor as intended."""
     read_fmt, read_arch, read_tensors = read_draft(path)
     expected = {k: v for k, v in tensors.items() if not k.startswith("embed_tokens")}
@@ -179,7 +182,7 @@ def _verify(path: Path, fmt: DraftFormat, arch: object, tensors: dict[str, torch
     ]
     problems = check_draft(path)
     if fmt == DraftFormat.gguf:  # GGUF keeps eps and the RoPE base as float32
-        arch = float32_rounded(arch)  # type: ignore[type-var]
+        arch = float32_rounded(arch)
     if (
         read_fmt != family_of(arch).layout(fmt)  # a family may have one layout for all
         or read_arch != arch

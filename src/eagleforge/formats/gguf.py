@@ -37,12 +37,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from eagleforge.draft.dflash import DFlashArchitecture
+from eagleforge.draft.family import AnyArchitecture
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import unreadable_reason
@@ -93,8 +94,6 @@ _DFLASH_LAYER_TENSORS = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-
-AnyGGUFArchitecture = TypeVar("AnyGGUFArchitecture", DraftArchitecture, DFlashArchitecture)
 
 
 def _dflash_names(num_layers: int) -> dict[str, str]:
@@ -385,7 +384,7 @@ def check_gguf(path: str | Path, target_num_layers: int | None = None) -> list[s
     return _inspect(gguf_path(path), target_num_layers)[0]
 
 
-def float32_rounded(arch: AnyGGUFArchitecture) -> AnyGGUFArchitecture:
+def float32_rounded(arch: AnyArchitecture) -> AnyArchitecture:
     """``arch`` with the fields GGUF stores as float32 rounded to float32, as a GGUF reads."""
     return replace(
         arch,
