@@ -184,7 +184,10 @@ class LlamaCppJudge:
         arch = read_architecture(draft)
         family = family_of(arch)
         if family.llamacpp_type is None:
-            raise ConfigError(f"eval.engine=llamacpp: llama.cpp serves no {family.title} draft.")
+            raise ConfigError(
+                f"eval.engine=llamacpp: llama.cpp serves no {family.title} draft; judge it with "
+                "eval.engine=vllm or hf."
+            )
         return LlamaServer(
             self.cfg, self.target, log_path, draft=gguf_path(draft),
             spec_type=family.llamacpp_type,
