@@ -15,6 +15,8 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -48,7 +50,7 @@ from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
-from eagleforge.targets.base import TargetBackend, release
+from eagleforge.targets.base import TargetBackend, TargetOutput, release
 from eagleforge.targets.config import TargetBackendKind
 from eagleforge.targets.registry import build_target
 from eagleforge.targets.source import (
@@ -59,6 +61,9 @@ from eagleforge.targets.source import (
 )
 
 log = logging.getLogger("eagleforge.prepare")
+
+# a collated batch and what the target returned for it
+_Captured = tuple[dict[str, torch.Tensor], TargetOutput]
 
 
 def bytes_per_token(
@@ -110,36 +115,43 @@ def capture_split(
         processor.image_token_id if processor is not None else None,
     )
     bar = tqdm(total=tokens, desc=f"capture {store.name}", unit="tok", unit_scale=True)
+    chunks: list[tuple[int, list[int]]] = []  # (shard, the indices of one forward)
     for shard in todo:
         indices = list(range(shard * per_shard, min((shard + 1) * per_shard, len(dataset))))
-        samples: list[tuple[Any, ...]] = []
-        nonfinite: list[int] = []
-        for start in range(0, len(indices), batch_size):
-            chunk = indices[start : start + batch_size]
-            batch = collate([dataset[i] for i in chunk])
-            images = {k: batch[k].to(device) for k in IMAGE_KEYS if k in batch}
-            ids_BT, mask_BT = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            out = target.forward(ids_BT, mask_BT, **images)
-            aux_BTA, final_BTH = out.aux_BTA.cpu(), out.final_hidden_BTH.cpu()  # one copy
-            positions_3BT = out.position_ids_3BT
-            if manifest.mrope and positions_3BT is None:
-                raise ConfigError(
-                    "data.is_vlm=true but the target returned no M-RoPE positions; capture a "
-                    "vision-language target (e.g. +model=qwen2_5_vl) or set data.is_vlm=false."
-                )
-            for row, index in enumerate(chunk):
-                n = lengths[index]
-                aux, final = aux_BTA[row, :n], final_BTH[row, :n]
-                if not (bool(torch.isfinite(aux).all()) and bool(torch.isfinite(final).all())):
-                    nonfinite.append(index)
-                    continue
-                ids, mask = batch["input_ids"][row, :n], batch["loss_mask"][row, :n]
-                if manifest.mrope:
-                    assert positions_3BT is not None
-                    samples.append((index, ids, mask, aux, final, positions_3BT[:, row, :n].cpu()))
-                else:
-                    samples.append((index, ids, mask, aux, final))
-            bar.update(sum(lengths[i] for i in chunk))
+        chunks += [(shard, indices[s : s + batch_size]) for s in range(0, len(indices), batch_size)]
+
+    def forward(chunk: list[int]) -> _Captured:
+        batch = collate([dataset[i] for i in chunk])
+        images = {k: batch[k].to(device) for k in IMAGE_KEYS if k in batch}
+        ids_BT, mask_BT = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        return batch, target.forward(ids_BT, mask_BT, **images)
+
+    captured = _in_order(forward, [chunk for _, chunk in chunks], target.forward_in_engine)
+    samples: list[tuple[Any, ...]] = []
+    nonfinite: list[int] = []
+    for k, ((shard, chunk), (batch, out)) in enumerate(zip(chunks, captured, strict=True)):
+        aux_BTA, final_BTH = out.aux_BTA.cpu(), out.final_hidden_BTH.cpu()  # one copy
+        positions_3BT = out.position_ids_3BT
+        if manifest.mrope and positions_3BT is None:
+            raise ConfigError(
+                "data.is_vlm=true but the target returned no M-RoPE positions; capture a "
+                "vision-language target (e.g. +model=qwen2_5_vl) or set data.is_vlm=false."
+            )
+        for row, index in enumerate(chunk):
+            n = lengths[index]
+            aux, final = aux_BTA[row, :n], final_BTH[row, :n]
+            if not (bool(torch.isfinite(aux).all()) and bool(torch.isfinite(final).all())):
+                nonfinite.append(index)
+                continue
+            ids, mask = batch["input_ids"][row, :n], batch["loss_mask"][row, :n]
+            if manifest.mrope:
+                assert positions_3BT is not None
+                samples.append((index, ids, mask, aux, final, positions_3BT[:, row, :n].cpu()))
+            else:
+                samples.append((index, ids, mask, aux, final))
+        bar.update(sum(lengths[i] for i in chunk))
+        if k + 1 < len(chunks) and chunks[k + 1][0] == shard:
+            continue  # the shard's last batch is still to come
         record = write_shard(store, shard, samples, nonfinite, Compression(manifest.compress))
         counts["samples"] += record["samples"]
         counts["tokens"] += record["tokens"]
@@ -151,8 +163,32 @@ def capture_split(
                 shard,
                 nonfinite,
             )
+        samples, nonfinite = [], []
     bar.close()
     return counts
+
+
+def _in_order(
+    forward: Callable[[list[int]], _Captured], chunks: list[list[int]], ahead: bool
+) -> Iterator[_Captured]:
+    """``forward`` of each chunk, in order. ``ahead`` (a target whose forward waits on an
+    engine process): the next chunk is sent while the caller stores this one, so the engine
+    never waits for the shard writes."""
+    if not ahead:
+        yield from map(forward, chunks)
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="capture")
+    try:
+        pending: Future[_Captured] | None = None
+        for chunk in chunks:
+            sent = pool.submit(forward, chunk)  # runs once the chunk before it is done
+            if pending is not None:
+                yield pending.result()
+            pending = sent
+        if pending is not None:
+            yield pending.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def run(config: EagleForgeConfig) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,8 @@ def test_fp8_keeps_each_tokens_layers_within_a_sixteenth_of_their_maximum() -> N
 class NaNTarget:
     """Hidden states of ones, but NaN for sequences starting with token 7."""
 
+    forward_in_engine = False
+
     def lm_head_weight(self) -> torch.Tensor:  # where capture puts the inputs
         return torch.zeros(10, 2)
 
@@ -66,6 +69,69 @@ def test_non_finite_samples_are_left_out_and_recorded(tmp_path: Path) -> None:
     store = FeatureDataset(tmp_path, verify_checksums=True)
     assert [store[i][0] for i in range(len(store))] == [[1, 2, 3], [4, 5, 6, 1]]
     assert store[1][1] == [0, 0, 1, 1] and store[1][2].shape == (4, 6)
+
+
+class EngineTarget(NaNTarget):
+    """A target whose forward runs in an engine: ``prepare`` sends the next batch ahead."""
+
+    forward_in_engine = True
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.started: list[int] = []  # the first token of each batch, as it was sent
+        self.fail_on = fail_on
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> TargetOutput:
+        self.started.append(int(ids[0, 0]))
+        if ids[0, 0] == self.fail_on:
+            raise RuntimeError("the engine stopped")
+        return super().forward(ids, mask)
+
+
+def _capture_five(store: Path, target: NaNTarget) -> dict[str, int]:
+    """Five samples, two a shard and two a batch: the shards start with tokens 1, 4 and 2."""
+    data = TokenizedDataset(
+        [[1, 2, 3], [7, 2], [4, 5, 6, 1], [6, 1], [2, 2]],
+        [[0, 1, 1], [1, 1], [0, 0, 1, 1], [0, 1], [1, 1]],
+    )
+    return capture_split(store, data, _manifest(5), target, batch_size=2)  # type: ignore[arg-type]
+
+
+def test_an_engine_target_gets_the_next_batch_while_a_shard_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next shard's batch is in the engine before the shard before it is written, and the
+    store is the one a batch-by-batch capture writes."""
+    import eagleforge.prepare as prepare
+
+    target = EngineTarget()
+    sent_ahead: list[bool] = []
+    write = prepare.write_shard
+
+    def write_after_the_next_batch_is_sent(store, shard, *args):  # type: ignore[no-untyped-def]
+        for _ in range(500):  # up to 5 s for the next shard's batch to be sent
+            if len(target.started) > shard + 1 or shard == 2:
+                break
+            time.sleep(0.01)
+        sent_ahead.append(len(target.started) > shard + 1)
+        return write(store, shard, *args)
+
+    monkeypatch.setattr(prepare, "write_shard", write_after_the_next_batch_is_sent)
+    counts = _capture_five(tmp_path / "ahead", target)
+    monkeypatch.setattr(prepare, "write_shard", write)
+    assert sent_ahead == [True, True, False] and target.started == [1, 4, 2]
+    alone = _capture_five(tmp_path / "alone", NaNTarget())
+    assert counts == alone == {"shards": 3, "samples": 4, "tokens": 11, "nonfinite": 1}
+    for name in ("shard_00000.json", "shard_00001.json", "shard_00002.json"):
+        assert (tmp_path / "ahead" / name).read_text() == (tmp_path / "alone" / name).read_text()
+
+
+def test_an_engine_that_fails_ahead_stops_the_capture_after_the_shards_before_it(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RuntimeError, match="the engine stopped"):
+        _capture_five(tmp_path, EngineTarget(fail_on=2))
+    written = [p.name for p in sorted(tmp_path.glob("shard_*.json"))]
+    assert written == ["shard_00000.json", "shard_00001.json"]
 
 
 def test_a_directory_without_manifest_is_named(tmp_path: Path) -> None:

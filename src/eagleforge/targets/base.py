@@ -37,6 +37,9 @@ class TargetBackend(Protocol):
 
     aux_layer_ids: list[int]  # output-of-layer ids of the captured aux states
     config: Any  # the target's transformers config (PretrainedConfig)
+    # forward waits on an engine in another process: ``prepare`` sends the next batch while
+    # it stores this one's states (in this process, the two would share its cores and memory)
+    forward_in_engine: bool
 
     def forward(
         self,

@@ -285,6 +285,8 @@ class CustomTarget:
     """Our own decoder as a frozen target: aux-layer capture without hooks, and tensor
     parallelism over ``tp_mesh`` (the forward is then a collective of the tp group)."""
 
+    forward_in_engine = False
+
     def __init__(
         self,
         config: Any,  # transformers config of the target

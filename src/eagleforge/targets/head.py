@@ -39,6 +39,8 @@ def _find_tensor(model_dir: Path, suffix: str) -> torch.Tensor | None:
 class HeadOnlyTarget:
     """Config, aux layer ids, input embedding and lm_head of a target, without its layers."""
 
+    forward_in_engine = False
+
     def __init__(
         self,
         model_dir: Path,

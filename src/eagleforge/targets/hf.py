@@ -57,6 +57,8 @@ class HFTarget:
     """A frozen ``AutoModelForCausalLM`` with aux-layer capture; with ``tp_mesh`` (more than
     one rank) the forward runs on the tp group's micro-batches together (a collective)."""
 
+    forward_in_engine = False
+
     def __init__(
         self,
         model: Any,  # a transformers PreTrainedModel with a decoder

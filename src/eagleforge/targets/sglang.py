@@ -257,6 +257,8 @@ class SGLangTarget:
     With a tp mesh (more than one rank) every forward runs on the tp group's micro-batches
     together (a collective: every tp rank calls it in step), like ``HFTarget``."""
 
+    forward_in_engine = False
+
     def __init__(
         self,
         runner: Any,  # sglang ModelRunner, loaded, with aux capture set up

@@ -44,6 +44,8 @@ def capture_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
 class VLLMTarget(HeadOnlyTarget):
     """The target served by vLLM for capture (see the module docstring)."""
 
+    forward_in_engine = True
+
     def __init__(
         self,
         model_dir: Path,
