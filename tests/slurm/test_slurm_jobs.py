@@ -57,7 +57,7 @@ SHAPE = (
 # The time limit's warning comes at slurmctld's next time-limit check (every 30 s, at a phase
 # the test cannot see): this run must still train then, however fast the machine is that day.
 # 700 steps lasted 27 s after step 10 on a quiet day and missed the check; 1,500 last ~60 s
-# there (~130 s on a day three times slower, within the scenario's deadline).
+# there, and the whole scenario (two starts, the requeue) took 150 s of its STEP_TIMEOUT_S.
 LONG_SHAPE = (*SHAPE[:-3], "trainer.save_every_n_steps=100", "trainer.max_num_steps=1500")
 # Two gloo ranks, the draft sharded by FSDP2.
 FSDP_SHAPE = (
