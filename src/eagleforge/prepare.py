@@ -55,6 +55,7 @@ from eagleforge.targets.config import TargetBackendKind
 from eagleforge.targets.registry import build_target
 from eagleforge.targets.source import (
     VisionProcessor,
+    checked_aux_layer_ids,
     load_processor,
     load_tokenizer,
     resolve_model_dir,
@@ -92,11 +93,7 @@ def capture_split(
     M-RoPE positions are stored with each sample."""
     store.mkdir(parents=True, exist_ok=True)
     if (store / "manifest.json").is_file():
-        # continuing a capture: every field must agree, the dtype and shard layout included;
-        # the record fields need not (another backend may go on: its states are the same)
-        noted = ("data_source", "captured_by")
-        planned = {k: v for k, v in asdict(manifest).items() if k not in noted}
-        Manifest.read(store).check_matches(planned, store)
+        _check_continues(store, manifest)
     else:
         manifest.write(store)
     per_shard = manifest.samples_per_shard
@@ -225,6 +222,14 @@ def _prepare(config: EagleForgeConfig, out: Path) -> Path:
         engine_python(config.vllm)  # a missing engine costs a line, before the data is read
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed, processor)
     dtype = config.model.dtype.torch_dtype(device)
+    splits = _plan(config, model_dir, data, dtype)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # a store of another setup is refused, and a complete one left as it is, before the
+    # target loads (a vLLM engine takes minutes to start)
+    if all(_complete(out / split, manifest, rank, world) for split, _, manifest in splits):
+        tokens = sum(dataset.num_tokens() for _, dataset, _ in splits)
+        print(f"feature store {out}: complete ({tokens:,} tokens), nothing to capture", flush=True)
+        return out
     out.mkdir(parents=True, exist_ok=True)
     with stop_on_signals():
         target = build_target(
@@ -232,34 +237,101 @@ def _prepare(config: EagleForgeConfig, out: Path) -> Path:
             engine=config.vllm, engine_log=out / "vllm.log",
         )  # fmt: skip
         try:
-            return _capture(config, out, model_dir, data, dtype, target, processor)
+            return _capture(config, out, splits, target, processor, rank, world)
         finally:
             release(target)
+
+
+# one split of the store: its name, its rows and the manifest its directory must have
+_Split = tuple[str, TokenizedDataset, Manifest]
+
+
+def _plan(
+    config: EagleForgeConfig, model_dir: Path | str, data: Any, dtype: torch.dtype
+) -> list[_Split]:
+    """Each split's manifest, from the target's config file and the run's settings alone."""
+    from transformers import AutoConfig
+
+    cfg = config.prepare
+    text = AutoConfig.from_pretrained(
+        model_dir, trust_remote_code=config.model.trust_remote_code, revision=config.model.revision
+    ).get_text_config()
+    fields = expected_manifest(
+        config.model.name,
+        Path(model_dir),
+        text,
+        checked_aux_layer_ids(config.model.aux_layer_ids, text.num_hidden_layers),
+        config.data.template,
+        config.data.max_length,
+        config.data.is_vlm,
+    )
+    named = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
+    return [
+        (
+            split,
+            dataset,
+            Manifest(
+                **fields,
+                dtype=str(dtype).removeprefix("torch."),
+                data_key=f"{data.cache_key}/{split}",
+                samples_per_shard=cfg.samples_per_shard,
+                num_samples=len(dataset),
+                num_shards=-(-len(dataset) // cfg.samples_per_shard),
+                compress=cfg.compress.value,
+                data_source=config.data.describe(),
+                captured_by=config.target.backend.value,
+            ),
+        )
+        for split, dataset in named
+    ]
+
+
+def _complete(store: Path, manifest: Manifest, rank: int, world_size: int) -> bool:
+    """Whether ``store`` holds every shard of this rank, captured for ``manifest``'s setup
+    (DataError naming the fields where it was captured for another)."""
+    if not (store / "manifest.json").is_file():
+        return False
+    _check_continues(store, manifest)
+    return all(
+        shard_complete(store, shard)
+        for shard in range(manifest.num_shards)
+        if shard % world_size == rank
+    )
+
+
+def _check_continues(store: Path, manifest: Manifest) -> None:
+    """A capture goes on in ``store`` only for the same setup: every field must agree, the
+    dtype and shard layout included; the record fields need not (another backend may go on:
+    its states are the same)."""
+    noted = ("data_source", "captured_by")
+    planned = {k: v for k, v in asdict(manifest).items() if k not in noted}
+    Manifest.read(store).check_matches(planned, store)
 
 
 def _capture(
     config: EagleForgeConfig,
     out: Path,
-    model_dir: Path | str,
-    data: Any,
-    dtype: torch.dtype,
+    splits: list[_Split],
     target: TargetBackend,
     processor: VisionProcessor | None,
+    rank: int,
+    world: int,
 ) -> Path:
-    """Every split of ``data`` through ``target`` into the store ``out``."""
+    """Every split through ``target`` into the store ``out``."""
     cfg = config.prepare
-    fields = expected_manifest(
-        config.model.name,
-        Path(model_dir),
-        target.config.get_text_config(),
-        target.aux_layer_ids,
-        config.data.template,
-        config.data.max_length,
-        config.data.is_vlm,
-    )
-    splits = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
-    per_token = bytes_per_token(int(fields["hidden_size"]), dtype, cfg.compress, config.data.is_vlm)  # type: ignore[call-overload]
-    tokens = sum(d.num_tokens() for _, d in splits)
+    planned = splits[0][2]
+    text = target.config.get_text_config()
+    if (target.aux_layer_ids, int(text.hidden_size)) != (
+        planned.aux_layer_ids,
+        planned.hidden_size,
+    ):
+        raise RuntimeError(  # the plan read the config file the target loaded: a bug if not
+            f"the target reads layers {target.aux_layer_ids} of width {text.hidden_size}, the "
+            f"store was planned for {planned.aux_layer_ids} of width {planned.hidden_size}"
+        )
+    dtype = getattr(torch, planned.dtype)
+    per_token = bytes_per_token(planned.hidden_size, dtype, cfg.compress, planned.mrope)
+    tokens = sum(dataset.num_tokens() for _, dataset, _ in splits)
     needed = tokens * per_token
     free = shutil.disk_usage(out).free
     print(
@@ -272,20 +344,8 @@ def _capture(
             f"{out}: the store needs {needed / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB "
             "are free; free space or choose another prepare.output_dir."
         )
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    for split, dataset in splits:
+    for split, dataset, manifest in splits:
         start = time.perf_counter()
-        manifest = Manifest(
-            **fields,
-            dtype=str(dtype).removeprefix("torch."),
-            data_key=f"{data.cache_key}/{split}",
-            samples_per_shard=cfg.samples_per_shard,
-            num_samples=len(dataset),
-            num_shards=-(-len(dataset) // cfg.samples_per_shard),
-            compress=cfg.compress.value,
-            data_source=config.data.describe(),
-            captured_by=config.target.backend.value,
-        )
         counts = capture_split(
             out / split, dataset, manifest, target, cfg.batch_size, rank, world, processor
         )

@@ -106,6 +106,26 @@ def test_rerun_completes_only_missing_shards(tmp_path: Path) -> None:
     assert len(FeatureDataset(train_dir, verify_checksums=True)) == 23
 
 
+def test_a_complete_store_is_left_as_it_is_without_loading_the_target(
+    tmp_path: Path, store: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Re-running prepare on a finished store (a killed `make quality` goes on) neither
+    starts the target -- a vLLM engine takes minutes -- nor touches a shard; a store of
+    another setup is refused before the target loads too."""
+    import eagleforge.prepare
+
+    def no_target(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(eagleforge.prepare, "build_target", no_target)
+    before = {p.name: p.stat().st_mtime_ns for p in (store / "train").iterdir()}
+    assert _prepare(tmp_path, store) == store
+    assert "complete (" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in (store / "train").iterdir()} == before
+    with pytest.raises(DataError, match=r"max_length: store has 96, the run needs 64"):
+        _prepare(tmp_path, store, "data.max_length=64")
+
+
 def test_truncated_and_corrupted_shards_are_named(tmp_path: Path) -> None:
     store = _prepare(tmp_path, tmp_path / "features")
     shard = store / "train" / "shard_00001.safetensors"
