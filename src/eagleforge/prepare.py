@@ -305,7 +305,7 @@ def _check_continues(store: Path, manifest: Manifest) -> None:
     its states are the same)."""
     noted = ("data_source", "captured_by")
     planned = {k: v for k, v in asdict(manifest).items() if k not in noted}
-    Manifest.read(store).check_matches(planned, store)
+    Manifest.read(store).check_matches(planned, store, "prepare.output_dir")
 
 
 def _capture(

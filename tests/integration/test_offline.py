@@ -122,7 +122,9 @@ def test_a_complete_store_is_left_as_it_is_without_loading_the_target(
     assert _prepare(tmp_path, store) == store
     assert "complete (" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in (store / "train").iterdir()} == before
-    with pytest.raises(DataError, match=r"max_length: store has 96, the run needs 64"):
+    with pytest.raises(
+        DataError, match=r"max_length: store has 96, the run needs 64.*prepare.output_dir"
+    ):
         _prepare(tmp_path, store, "data.max_length=64")
 
 

@@ -161,8 +161,11 @@ class Manifest:
             )
         return cls(**data)
 
-    def check_matches(self, expected: Mapping[str, Any], store: Path) -> None:
-        """DataError naming every field of ``expected`` on which the store differs."""
+    def check_matches(
+        self, expected: Mapping[str, Any], store: Path, field: str = "data.features"
+    ) -> None:
+        """DataError naming every field of ``expected`` on which the store differs; ``field``
+        is the setting that points at the store."""
         diffs = [
             f"{name}: store has {getattr(self, name)!r}, the run needs {value!r}"
             for name, value in expected.items()
@@ -171,7 +174,7 @@ class Manifest:
         if diffs:
             raise DataError(
                 f"{store} was captured for another setup ({'; '.join(diffs)}); capture it "
-                "again with eagleforge.prepare for this run, or point data.features elsewhere."
+                f"again with eagleforge.prepare for this run, or point {field} elsewhere."
             )
 
 
