@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 import torch
@@ -242,8 +242,12 @@ def _prepare(config: EagleForgeConfig, out: Path) -> Path:
             release(target)
 
 
-# one split of the store: its name, its rows and the manifest its directory must have
-_Split = tuple[str, TokenizedDataset, Manifest]
+class _Split(NamedTuple):
+    """One split of the store: its name, its rows and the manifest its directory must have."""
+
+    name: str
+    dataset: TokenizedDataset
+    manifest: Manifest
 
 
 def _plan(
@@ -267,7 +271,7 @@ def _plan(
     )
     named = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
     return [
-        (
+        _Split(
             split,
             dataset,
             Manifest(
@@ -319,16 +323,11 @@ def _capture(
 ) -> Path:
     """Every split through ``target`` into the store ``out``."""
     cfg = config.prepare
-    planned = splits[0][2]
-    text = target.config.get_text_config()
-    if (target.aux_layer_ids, int(text.hidden_size)) != (
-        planned.aux_layer_ids,
-        planned.hidden_size,
-    ):
-        raise RuntimeError(  # the plan read the config file the target loaded: a bug if not
-            f"the target reads layers {target.aux_layer_ids} of width {text.hidden_size}, the "
-            f"store was planned for {planned.aux_layer_ids} of width {planned.hidden_size}"
-        )
+    planned = splits[0].manifest
+    loaded = (target.aux_layer_ids, int(target.config.get_text_config().hidden_size))
+    # the plan read the config file the target loaded: a bug if they differ
+    if loaded != (planned.aux_layer_ids, planned.hidden_size):
+        raise RuntimeError(f"the target loaded layers and width {loaded}, the plan {planned}")
     dtype = getattr(torch, planned.dtype)
     per_token = bytes_per_token(planned.hidden_size, dtype, cfg.compress, planned.mrope)
     tokens = sum(dataset.num_tokens() for _, dataset, _ in splits)
