@@ -30,7 +30,13 @@ from eagleforge.errors import ConfigError, exit_on_user_error
 from eagleforge.families import family_of
 from eagleforge.files import resolve_cache_dir, unwritable_reason
 from eagleforge.formats.config import ExportConfig, ExportDType
-from eagleforge.formats.directory import check_draft, read_architecture, read_draft, write_draft
+from eagleforge.formats.directory import (
+    check_draft,
+    layout_for,
+    read_architecture,
+    read_draft,
+    write_draft,
+)
 from eagleforge.formats.gguf import float32_rounded
 from eagleforge.formats.kinds import DraftFormat, Verifier
 from eagleforge.targets.source import (
@@ -148,6 +154,7 @@ def export(cfg: ExportConfig) -> Path:
     if problems:
         raise ConfigError(f"{source}: cannot export it: {'; '.join(problems)}.")
     _, arch, tensors = read_draft(source)
+    layout_for(arch, cfg.format)  # a format no engine serves this draft in: before its inputs
     if cfg.dtype != ExportDType.keep:
         dtype = getattr(torch, cfg.dtype.value)
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -184,7 +191,7 @@ def _verify(
     if fmt == DraftFormat.gguf:  # GGUF keeps eps and the RoPE base as float32
         arch = float32_rounded(arch)
     if (
-        read_fmt != family_of(arch).layout(fmt)  # a family may have one layout for all
+        read_fmt != layout_for(arch, fmt).writes[fmt]  # a family may have one layout for all
         or read_arch != arch
         or wrong
         or set(read_tensors) != set(expected)

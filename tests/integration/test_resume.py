@@ -183,7 +183,8 @@ def test_draft_init_starts_from_a_checkpoint_with_a_fresh_optimizer(tmp_path: Pa
     from eagleforge.errors import ConfigError
 
     with pytest.raises(
-        ConfigError, match="model.draft_init=.*not a usable draft directory.*no config.json"
+        ConfigError,
+        match="model.draft_init=.*: not a draft eagleforge reads: no config.json and no .gguf file",
     ):
         run(compose_config(overrides(tmp_path, "bad", f"model.draft_init={tmp_path}")))
 

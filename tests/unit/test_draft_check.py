@@ -123,5 +123,5 @@ def test_a_path_that_is_no_directory_is_named_as_such(tmp_path: Path) -> None:
     assert check_draft(missing) == [f"{missing}: no such directory"]
     (problem,) = check_draft(file)
     assert problem.startswith(f"{file}: not a directory (a draft is a directory with config.json")
-    with pytest.raises(ConfigError, match=r"nope: not a usable EAGLE-3 draft: .*no such directory"):
+    with pytest.raises(ConfigError, match=r"nope: no such directory\.$"):
         load_checked_draft(missing, 6)

@@ -6,6 +6,8 @@ tests/engine/test_llamacpp_converter.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -134,20 +136,32 @@ def test_what_llama_cpp_would_run_differently_is_refused(
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
-def test_a_parallel_drafting_draft_is_refused(tmp_path: Path) -> None:
+PEAGLE_REFUSAL = (
+    "export.format=gguf: llama.cpp does not serve P-EAGLE drafts; export it as format=sglang "
+    "or format=vllm (served by vLLM, with parallel_drafting)."
+)
+
+
+def test_a_parallel_drafting_draft_is_refused_before_its_target_gguf(tmp_path: Path) -> None:
+    """No layout writes a P-EAGLE draft as GGUF (its family has no llamacpp_type): the export
+    says so first, with the formats and engine that do serve it -- not after asking for
+    export.target_gguf, which it never needs -- and writes nothing."""
     draft = tiny_draft(seed=6)
     draft.arch.mask_token_id = 3
     draft.register_buffer("mask_hidden", torch.zeros(1, 1, 36))
-    source = export_sglang(draft, tmp_path / "src")
-    with pytest.raises(ConfigError, match="parallel-drafting"):
-        export(
-            ExportConfig(
-                draft=str(source),
-                format=DraftFormat.gguf,
-                output_dir=str(tmp_path / "out"),
-                target_gguf=str(tiny_target_gguf(tmp_path / "target.gguf")),
-            )
-        )
+    source = export_sglang(draft, tmp_path / "src")  # no config.yaml: no target GGUF of its own
+    with pytest.raises(ConfigError) as refused:
+        export(ExportConfig(draft=str(source), format=DraftFormat.gguf,
+                            output_dir=str(tmp_path / "out"),
+                            target_gguf=str(tiny_target_gguf(tmp_path / "target.gguf"))))  # fmt: skip
+    assert str(refused.value) == PEAGLE_REFUSAL
+    done = subprocess.run(
+        [sys.executable, "-m", "eagleforge.export", f"export.draft={source}",
+         "export.format=gguf", f"export.output_dir={tmp_path / 'cli'}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stderr == f"error: {PEAGLE_REFUSAL}\n", done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "target.gguf"]
 
 
 def test_the_target_gguf_is_checked_and_required(tmp_path: Path) -> None:
@@ -188,9 +202,17 @@ def test_check_names_a_broken_gguf_draft(
     assert check_main(["--check", str(broken)]) == 1
     assert "not a readable GGUF file" in capsys.readouterr().out
     other = tmp_path / "other.gguf"
-    assert check_draft(tiny_target_gguf(other)) == [
-        "general.architecture is 'llama', a draft is 'eagle3' (EAGLE-3) or 'dflash'"
-    ]
+    (problem,) = check_draft(tiny_target_gguf(other))
+    assert problem.startswith(
+        f"{other}: not a draft eagleforge reads: a GGUF file of general.architecture 'llama'; "
+        "eagleforge reads EAGLE-3 (architectures"
+    )
+    assert "EAGLE-3 GGUF (general.architecture eagle3)" in problem and "\n" not in problem
+    in_dir = tmp_path / "in-dir"
+    in_dir.mkdir()
+    (in_dir / GGUF_FILE).write_bytes(b"GGUF and then nothing")
+    (problem,) = check_draft(in_dir)
+    assert problem.startswith(f"{in_dir}: {GGUF_FILE}: not a readable GGUF file (")
 
 
 def _export_dflash(

@@ -79,7 +79,7 @@ def test_a_directory_vllm_would_refuse_is_named(tmp_path: Path) -> None:
     assert check_draft(sequential, 6) == [
         "mask_hidden is in the weights but config.json has no mask_token_id"
     ]
-    with pytest.raises(ConfigError, match="export.format=speculators writes sequential"):
+    with pytest.raises(ConfigError, match="speculators format does not serve P-EAGLE drafts"):
         write_draft(draft.arch, draft.trainable_state_dict(), tmp_path / "x",
                     DraftFormat.speculators)  # fmt: skip
 

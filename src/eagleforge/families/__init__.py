@@ -1,6 +1,7 @@
 """Every draft family, behind one protocol (``base.Family``) and one registry: the builder,
 the entry points and the judge ask here and never name a family. A family is its modules
-under ``draft/`` (and its decoder and layout, where it has its own) plus one line below."""
+under ``draft/`` (and its decoder, where it has its own), one line below, and its layouts'
+lines in ``formats.directory.LAYOUTS``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from eagleforge.families.base import DraftInputs, Family, init_from, not_applyin
 from eagleforge.families.dflash import DFlashFamily
 from eagleforge.families.eagle3 import Eagle3Family
 from eagleforge.families.peagle import PEagleFamily
+from eagleforge.formats.directory import family_holding
 
 FAMILIES: dict[DraftFamily, Family] = {
     DraftFamily.eagle3: Eagle3Family(),
@@ -54,8 +56,6 @@ def check_model_draft_defaults(draft_defaults: dict[str, dict[str, object]]) -> 
 
 
 def family_of(arch: object) -> Family:
-    """The family of a draft directory's architecture (``formats.directory.read_architecture``'s)."""
-    for family in FAMILIES.values():
-        if family.owns(arch):
-            return family
-    raise ConfigError(f"no draft family reads a {type(arch).__name__}; please report this.")
+    """The family of a draft's architecture (``formats.directory.read_architecture``'s, which
+    refuses a path no layout recognises): the family of the layouts that hold it."""
+    return FAMILIES[family_holding(arch)]

@@ -3,8 +3,9 @@ family builds its draft from, and the steps every family shares (checking which 
 reads, starting from another draft's weights).
 
 A family owns its draft module, training module and batch (``draft/``), its decoder
-(``speculative/``) and its checkpoint layout (``formats/``); the builder, the entry points and
-the judge reach them only through ``eagleforge.families.family_for`` / ``family_of``.
+(``speculative/``) and its layouts on disk (``formats/``, whose registry, keyed by the family,
+recognises and writes them); the builder, the entry points and the judge reach them only
+through ``eagleforge.families.family_for`` / ``family_of``.
 """
 
 from __future__ import annotations
@@ -75,10 +76,6 @@ class Family(Protocol):
         """The draft in a run title: its shape and loss."""
         ...
 
-    def owns(self, arch: object) -> bool:
-        """Whether ``arch`` (a draft directory's architecture) is this family's."""
-        ...
-
     def build(self, cfg: DraftConfig, inputs: DraftInputs) -> AnyDraft:
         """A new draft for the target, initialised (from ``inputs.draft_init`` when given),
         on ``inputs.device``."""
@@ -140,11 +137,6 @@ class Family(Protocol):
 
     def serve_hint(self, out: Path, fmt: DraftFormat, arch: Any) -> str:
         """The command that serves the exported draft at ``out``."""
-        ...
-
-    def layout(self, fmt: DraftFormat) -> DraftFormat:
-        """The format an export in ``fmt`` reads back as (a family with one layout for every
-        engine reads back as that layout)."""
         ...
 
 

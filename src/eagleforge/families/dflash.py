@@ -53,9 +53,6 @@ class DFlashFamily:
         cfg = draft.dflash
         return f"DFlash {cfg.num_layers} layers, block {cfg.block_size}, cross-entropy"
 
-    def owns(self, arch: object) -> bool:
-        return isinstance(arch, DFlashArchitecture)
-
     def build(self, cfg: DraftConfig, inputs: DraftInputs) -> DFlashDraft:
         """Tapping the run's aux layers, reading the target's embedding and lm_head."""
         target, dflash = inputs.target, cfg.dflash
@@ -160,8 +157,3 @@ class DFlashFamily:
             f'\'{{"method": "dflash", "model": "{out}", '
             f'"num_speculative_tokens": {arch.block_size - 1}}}\''
         )
-
-    def layout(self, fmt: DraftFormat) -> DraftFormat:
-        """One layout, vLLM's, which both engines load (speculators' and llama.cpp's GGUF
-        have their own)."""
-        return fmt if fmt in (DraftFormat.speculators, DraftFormat.gguf) else DraftFormat.vllm

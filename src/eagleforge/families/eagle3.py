@@ -51,9 +51,6 @@ class Eagle3Family:
 
     draft_class: type[Eagle3Draft] = Eagle3Draft
 
-    def owns(self, arch: object) -> bool:
-        return isinstance(arch, DraftArchitecture) and arch.mask_token_id is None
-
     def architecture(self, cfg: DraftConfig, inputs: DraftInputs) -> DraftArchitecture:
         target = inputs.target
         return DraftArchitecture.from_target(target.config, cfg, target.aux_layer_ids)
@@ -190,6 +187,3 @@ class Eagle3Family:
             "vllm serve <target> --speculative-config "
             f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": 3}}\''
         )
-
-    def layout(self, fmt: DraftFormat) -> DraftFormat:
-        return fmt

@@ -45,9 +45,6 @@ class PEagleFamily(Eagle3Family):
     def describe(self, draft: DraftConfig, loss: LossConfig) -> str:
         return f"P-EAGLE {draft.peagle.num_depths} depths, loss {loss.kind.value}"
 
-    def owns(self, arch: object) -> bool:
-        return isinstance(arch, DraftArchitecture) and arch.mask_token_id is not None
-
     def architecture(self, cfg: DraftConfig, inputs: DraftInputs) -> DraftArchitecture:
         configured = cfg.peagle.mask_token_id
         if configured is None:

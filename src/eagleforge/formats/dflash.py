@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.dflash import DFlashArchitecture
-from eagleforge.errors import CheckpointError
+from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import checksum_problem, save_safetensors, unreadable_reason
 from eagleforge.formats.kinds import DraftFormat, Verifier, dtype_name
+from eagleforge.formats.layout import Found
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
@@ -365,3 +367,58 @@ def _speculators_problems(config: dict[str, Any]) -> list[str]:
             "verifier.name_or_path (vLLM's speculators reader refuses it otherwise)"
         )
     return problems
+
+
+class DFlashLayout:
+    """A DFlash draft's directory: the one layout vLLM and SGLang both load, or speculators'."""
+
+    family = DraftFamily.dflash
+    title = "DFlash"
+    signature = f"DFlash (architectures {DFLASH_ARCHITECTURE}, or speculators_model_type dflash)"
+    served_by = "vLLM and SGLang"
+    writes = {
+        DraftFormat.sglang: DraftFormat.vllm,
+        DraftFormat.vllm: DraftFormat.vllm,
+        DraftFormat.speculators: DraftFormat.speculators,
+    }
+
+    def recognises(self, found: Found) -> bool:
+        return found.config is not None and is_dflash(found.config)
+
+    def owns(self, arch: object) -> bool:
+        return isinstance(arch, DFlashArchitecture)
+
+    def read(self, found: Found) -> tuple[DraftFormat, DFlashArchitecture, dict[str, torch.Tensor]]:
+        assert found.config is not None  # recognised by it
+        fmt = DraftFormat.speculators if is_speculators(found.config) else DraftFormat.vllm
+        return (fmt, *read_dflash(found.path))
+
+    def architecture_of(self, found: Found) -> DFlashArchitecture:
+        assert found.config is not None
+        return dflash_architecture_of(found.config)
+
+    def check(self, found: Found, target_num_layers: int | None) -> list[str]:
+        return check_dflash(found.path, target_num_layers)
+
+    def load_checked(
+        self, found: Found, target_num_layers: int
+    ) -> tuple[DFlashArchitecture, dict[str, torch.Tensor]]:
+        problems = check_dflash(found.path, target_num_layers)
+        if problems:
+            raise ConfigError(f"{found.path}: not a usable DFlash draft: {'; '.join(problems)}.")
+        return read_dflash(found.path)
+
+    def write(
+        self,
+        arch: DFlashArchitecture,
+        tensors: dict[str, torch.Tensor],
+        out_dir: Path,
+        fmt: DraftFormat,
+        verifier: Verifier | None,
+        speculative_tokens: int,
+        target_gguf: Path | None,
+    ) -> Path:
+        return write_dflash(arch, tensors, out_dir, fmt, verifier)
+
+
+DFLASH_LAYOUT = DFlashLayout()

@@ -1,86 +1,107 @@
-"""A draft directory of any family: which family its ``config.json`` holds, and reading,
-writing and checking it through that family's layout module -- ``eagle3`` (EAGLE-3 and
-P-EAGLE, three layouts), ``dflash`` (one layout, and speculators') or ``gguf`` (an EAGLE-3 or
-DFlash draft for llama.cpp: a GGUF file, alone or as ``DIR/draft.gguf``). The only place in
-``formats`` that tells the families apart."""
+"""A draft of any family: which layout holds it, and reading, writing and checking it through
+that layout (``export --check``). ``LAYOUTS`` is the one registry: each layout recognises its
+own drafts (``formats.layout``), so a new family adds its layout's line here and this module's
+dispatch stays as it is. A path no layout recognises is refused in one line naming what it
+holds."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from eagleforge.draft.config import DraftFamily
-from eagleforge.draft.dflash import DFlashArchitecture
 from eagleforge.draft.family import AnyArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
-from eagleforge.files import unreadable_reason
-from eagleforge.formats.dflash import (
-    check_dflash,
-    dflash_architecture_of,
-    is_dflash,
-    is_speculators,
-    read_dflash,
-    write_dflash,
+from eagleforge.files import checksum_problem, unreadable_reason
+from eagleforge.formats.dflash import DFLASH_LAYOUT
+from eagleforge.formats.eagle3 import EAGLE3_LAYOUT, PEAGLE_LAYOUT
+from eagleforge.formats.gguf import (
+    DFLASH_GGUF_ARCHITECTURE,
+    GGUFLayout,
+    gguf_architecture,
+    gguf_path,
+    holds_gguf,
 )
-from eagleforge.formats.eagle3 import (
-    architecture_of,
-    check_eagle3,
-    load_checked_eagle3,
-    read_eagle3,
-    write_eagle3,
+from eagleforge.formats.kinds import GGUF_ARCHITECTURE, DraftFormat, Verifier
+from eagleforge.formats.layout import DraftLayout, Found, article
+
+LAYOUTS: tuple[DraftLayout, ...] = (
+    EAGLE3_LAYOUT,
+    PEAGLE_LAYOUT,
+    DFLASH_LAYOUT,
+    GGUFLayout(GGUF_ARCHITECTURE, EAGLE3_LAYOUT),
+    GGUFLayout(DFLASH_GGUF_ARCHITECTURE, DFLASH_LAYOUT),
 )
-from eagleforge.formats.gguf import check_gguf, gguf_holds_dflash, holds_gguf, read_gguf, write_gguf
-from eagleforge.formats.kinds import DraftFormat, Verifier
-
-FAMILY_NAMES = {
-    DraftFamily.eagle3: "an EAGLE-3",
-    DraftFamily.dflash: "a DFlash",
-    DraftFamily.peagle: "a P-EAGLE",
-}
 
 
-def family_in(config: dict[str, Any]) -> DraftFamily:
-    """The family a draft directory's config.json describes."""
-    if is_dflash(config):
-        return DraftFamily.dflash
-    # a parallel-drafting EAGLE-3 draft names the token of its placeholder slots
-    return DraftFamily.peagle if config.get("mask_token_id") is not None else DraftFamily.eagle3
+def layouts_of(family: DraftFamily) -> tuple[DraftLayout, ...]:
+    """The layouts a family's drafts are written in."""
+    return tuple(layout for layout in LAYOUTS if layout.family == family)
 
 
-def _config(path: str | Path) -> dict[str, Any]:
-    """A draft directory's config.json; CheckpointError naming it when unreadable."""
-    config_path = Path(path) / "config.json"
+def _found(path: Path) -> Found | str:
+    """What ``path`` shows of its kind, or why nothing of it reads (to follow "PATH: ")."""
+    if holds_gguf(path):
+        file = gguf_path(path)
+        try:
+            return Found(path, gguf=True, gguf_architecture=gguf_architecture(file))
+        except CheckpointError as e:
+            reason = str(e).removeprefix(f"{file}: ")
+            return reason if file == path else f"{file.name}: {reason}"
+    if not path.is_dir():
+        if path.exists():
+            return (
+                "not a directory (a draft is a directory with config.json and model.safetensors, "
+                "or a .gguf file)"
+            )
+        return "no such directory"
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return Found(path)
     try:
-        return json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{config_path}: unreadable ({unreadable_reason(e)})") from None
+        return f"config.json is unreadable ({unreadable_reason(e)})"
+    if not isinstance(config, dict):
+        return f"config.json holds a {type(config).__name__}, not a JSON object"
+    return Found(path, config=config)
 
 
-def _holds_dflash(path: str | Path) -> bool:
-    """Whether a directory holds a DFlash draft; False when unreadable (the EAGLE-3 checks name
-    what is wrong with it)."""
-    try:
-        return is_dflash(json.loads((Path(path) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return False
+def _identify(path: str | Path) -> tuple[DraftLayout, Found] | str:
+    """The layout that recognises ``path`` and what it found there; else the one reason it is
+    not a draft eagleforge reads (to follow "PATH: ")."""
+    path = Path(path)
+    found = _found(path)
+    recognised = []
+    if isinstance(found, Found):
+        recognised = [layout for layout in LAYOUTS if layout.recognises(found)]
+        if len(recognised) == 1:
+            return recognised[0], found
+    # a torn or missing file of a training checkpoint: its checksums say which, and what to do
+    corrupt = checksum_problem(path) if path.is_dir() else None
+    if corrupt is not None:
+        return f"{corrupt}, so its files are corrupt (use an earlier checkpoint)"
+    if isinstance(found, str):
+        return found
+    if recognised:  # each layout's own drafts are recognised by it alone: a test keeps it so
+        both = " and as ".join(layout.signature for layout in recognised)
+        return f"{found.describe()} reads as {both}; please report this"
+    reads = ", ".join(layout.signature for layout in LAYOUTS)
+    return f"not a draft eagleforge reads: {found.describe()}; eagleforge reads {reads}"
 
 
 def read_draft(
     path: str | Path,
 ) -> tuple[DraftFormat, AnyArchitecture, dict[str, torch.Tensor]]:
-    """A draft directory of either family in any layout: its format, architecture and tensors
-    (eagleforge names). A DFlash draft reads as vllm (the layout vLLM and SGLang load) or
-    speculators."""
-    if holds_gguf(path):
-        return (DraftFormat.gguf, *read_gguf(path))
-    config = _config(path)
-    if is_dflash(config):
-        fmt = DraftFormat.speculators if is_speculators(config) else DraftFormat.vllm
-        return (fmt, *read_dflash(path))
-    return read_eagle3(path)
+    """A draft of any family in any layout: its format, architecture and tensors (eagleforge
+    names). A DFlash draft reads as vllm (the layout vLLM and SGLang load) or speculators."""
+    identified = _identify(path)
+    if isinstance(identified, str):
+        raise CheckpointError(f"{path}: {identified}")
+    layout, found = identified
+    return layout.read(found)
 
 
 def load_draft_dir(
@@ -92,12 +113,42 @@ def load_draft_dir(
 
 
 def read_architecture(path: str | Path) -> AnyArchitecture:
-    """The architecture of a draft directory (either family), from its config.json alone (a
-    GGUF draft: from its metadata)."""
-    if holds_gguf(path):
-        return read_gguf(path)[0]
-    config = _config(path)
-    return dflash_architecture_of(config) if is_dflash(config) else architecture_of(config)
+    """The architecture of a draft of any family, from its config.json alone (a GGUF draft:
+    from its file)."""
+    identified = _identify(path)
+    if isinstance(identified, str):
+        raise CheckpointError(f"{path}: {identified}")
+    layout, found = identified
+    return layout.architecture_of(found)
+
+
+def layout_for(arch: AnyArchitecture, fmt: DraftFormat) -> DraftLayout:
+    """The layout that writes a draft of ``arch`` in ``fmt``; ConfigError naming the formats
+    and engines that take the draft where none does."""
+    owners = [layout for layout in LAYOUTS if layout.owns(arch)]
+    for layout in owners:
+        if fmt in layout.writes:
+            return layout
+    if not owners:
+        raise ConfigError(f"no draft layout holds a {type(arch).__name__}; please report this.")
+    ways = " or ".join(
+        " or ".join(f"format={f.value}" for f in layout.writes) + f" (served by {layout.served_by})"
+        for layout in owners
+    )
+    raise ConfigError(
+        f"export.format={fmt.value}: {fmt.engine} does not serve {owners[0].title} drafts; "
+        f"export it as {ways}."
+    )
+
+
+def family_holding(arch: object) -> DraftFamily:
+    """The family of a draft's architecture: that of the layouts that hold it."""
+    families = {layout.family for layout in LAYOUTS if layout.owns(arch)}
+    if len(families) != 1:
+        raise ConfigError(
+            f"{len(families)} draft families hold a {type(arch).__name__}; please report this."
+        )
+    return families.pop()
 
 
 def write_draft(
@@ -109,30 +160,24 @@ def write_draft(
     speculative_tokens: int = 3,
     target_gguf: Path | None = None,
 ) -> Path:
-    """Write a draft directory in ``fmt`` from tensors with eagleforge's names (the embedding,
-    if given, is left out). A DFlash draft has one layout, which vLLM and SGLang both load,
-    and proposes its whole block (``speculative_tokens`` is EAGLE-3's). A GGUF draft carries
-    the tokenizer of ``target_gguf``, the target llama.cpp serves it beside."""
-    if fmt == DraftFormat.gguf:
-        if target_gguf is None:
-            raise ConfigError(
-                "export.format=gguf needs export.target_gguf: the target's GGUF file, which "
-                "llama.cpp serves the draft beside"
-            )
-        return write_gguf(arch, tensors, out_dir, target_gguf)
-    if isinstance(arch, DFlashArchitecture):
-        return write_dflash(arch, tensors, out_dir, fmt, verifier)
-    return write_eagle3(arch, tensors, out_dir, fmt, verifier, speculative_tokens)
+    """Write a draft in ``fmt`` from tensors with eagleforge's names (the embedding, if given,
+    is left out). A DFlash draft has one layout, which vLLM and SGLang both load, and proposes
+    its whole block (``speculative_tokens`` is EAGLE-3's). A GGUF draft carries the tokenizer
+    of ``target_gguf``, the target llama.cpp serves it beside."""
+    layout = layout_for(arch, fmt)
+    return layout.write(
+        arch, tensors, Path(out_dir), fmt, verifier, speculative_tokens, target_gguf
+    )
 
 
 def check_draft(path: str | Path, target_num_layers: int | None = None) -> list[str]:
-    """Every problem that would make a draft directory of either family (from any tool) load
-    wrongly or accept poorly; an empty list when there is none."""
-    if holds_gguf(path):
-        return check_gguf(path, target_num_layers)
-    if _holds_dflash(path):
-        return check_dflash(path, target_num_layers)
-    return check_eagle3(path, target_num_layers)
+    """Every problem that would make a draft of any family (from any tool) load wrongly or
+    accept poorly; an empty list when there is none."""
+    identified = _identify(path)
+    if isinstance(identified, str):
+        return [f"{path}: {identified}"]
+    layout, found = identified
+    return layout.check(found, target_num_layers)
 
 
 def load_checked_draft(
@@ -140,33 +185,25 @@ def load_checked_draft(
 ) -> tuple[AnyArchitecture, dict[str, torch.Tensor]]:
     """``load_draft_dir`` once ``check_draft`` finds no problem; ConfigError listing every
     problem."""
-    if holds_gguf(path):
-        problems = check_gguf(path, target_num_layers)
-        if problems:
-            raise ConfigError(f"{path}: not a usable GGUF draft: {'; '.join(problems)}.")
-        return read_gguf(path)
-    if not _holds_dflash(path):
-        return load_checked_eagle3(path, target_num_layers)
-    problems = check_dflash(path, target_num_layers)
-    if problems:
-        raise ConfigError(f"{path}: not a usable DFlash draft: {'; '.join(problems)}.")
-    return read_dflash(path)
+    identified = _identify(path)
+    if isinstance(identified, str):
+        raise ConfigError(f"{path}: {identified}.")
+    layout, found = identified
+    return layout.load_checked(found, target_num_layers)
 
 
 def family_problem(path: str | Path, family: DraftFamily) -> str | None:
-    """What is wrong when a draft directory holds the other family's draft than ``family``
-    (its tensors would not fit, name by name): which family it is and the ``draft=`` that
-    takes it. None when it is of ``family``, or unreadable (``check_draft`` names that)."""
-    try:
-        if holds_gguf(path):
-            found = DraftFamily.dflash if gguf_holds_dflash(path) else DraftFamily.eagle3
-        else:
-            found = family_in(json.loads((Path(path) / "config.json").read_text()))
-    except (OSError, ValueError):
+    """What is wrong with taking ``path`` for a draft of ``family``: a draft of another family
+    (its tensors would not fit, name by name), named with the ``draft=`` that takes it, or a
+    path that holds no draft eagleforge reads. None when it is of ``family``."""
+    identified = _identify(path)
+    if isinstance(identified, str):
+        return identified
+    layout, _ = identified
+    if layout.family == family:
         return None
-    if found == family:
-        return None
+    wanted = layouts_of(family)[0].title
     return (
-        f"{FAMILY_NAMES[found]} draft, this run trains draft={family.value}; use "
-        f"draft={found.value}, or give {FAMILY_NAMES[family]} draft"
+        f"{article(layout.title)} draft, this run trains draft={family.value}; use "
+        f"draft={layout.family.value}, or give {article(wanted)} draft"
     )

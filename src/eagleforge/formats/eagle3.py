@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import checksum_problem, save_safetensors, unreadable_reason
@@ -23,6 +24,26 @@ from eagleforge.formats.kinds import (
     Verifier,
     dtype_name,
 )
+from eagleforge.formats.layout import Found
+
+EAGLE3_ARCHITECTURES = (SGLANG_ARCHITECTURE, VLLM_ARCHITECTURE, SPECULATORS_ARCHITECTURE)
+# config.json fields only EAGLE-3-style drafts have: EAGLE's own checkpoints name a plain
+# LlamaForCausalLM, and a broken architectures field is to be named by the checks, not taken
+# for another model
+EAGLE3_CONFIG_MARKS = ("eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size")
+
+
+def holds_eagle3(config: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` is an EAGLE-3 draft's (P-EAGLE's included), by its own marks:
+    speculators' ``eagle3`` type, an EAGLE-3 architecture name, or an EAGLE-3 field."""
+    kind = config.get("speculators_model_type")
+    if kind is not None:
+        return bool(kind == "eagle3")
+    architectures = config.get("architectures")
+    named = isinstance(architectures, list) and any(
+        name in EAGLE3_ARCHITECTURES for name in architectures
+    )
+    return named or any(key in config for key in EAGLE3_CONFIG_MARKS)
 
 
 def detect_format(config: dict[str, Any]) -> DraftFormat:
@@ -471,3 +492,67 @@ def _vllm_ids_problem(config: dict[str, Any], layer_ids: Any) -> list[str]:
             f"what SGLang reads): vLLM would tap other layers than SGLang; expected {expected}"
         ]
     return []
+
+
+class Eagle3Layout:
+    """EAGLE-3's directory in its three layouts; with ``parallel``, P-EAGLE's: the same with
+    ``mask_token_id`` in config.json and ``mask_hidden`` among the weights (no speculators
+    layout: that format's ``peagle`` type is not written here)."""
+
+    def __init__(self, parallel: bool) -> None:
+        self.parallel = parallel
+        self.family = DraftFamily.peagle if parallel else DraftFamily.eagle3
+        self.title = "P-EAGLE" if parallel else "EAGLE-3"
+        names = ", ".join(EAGLE3_ARCHITECTURES[:-1]) + f" or {EAGLE3_ARCHITECTURES[-1]}"
+        self.signature = (
+            "P-EAGLE (an EAGLE-3 config.json with mask_token_id)"
+            if parallel
+            else f"EAGLE-3 (architectures {names})"
+        )
+        self.served_by = "vLLM, with parallel_drafting" if parallel else "SGLang and vLLM"
+        kept = (DraftFormat.sglang, DraftFormat.vllm)
+        self.writes = {f: f for f in (kept if parallel else (*kept, DraftFormat.speculators))}
+
+    def recognises(self, found: Found) -> bool:
+        config = found.config
+        return (
+            config is not None
+            and holds_eagle3(config)
+            and (config.get("mask_token_id") is not None) == self.parallel
+        )
+
+    def owns(self, arch: object) -> bool:
+        return isinstance(arch, DraftArchitecture) and (
+            (arch.mask_token_id is not None) == self.parallel
+        )
+
+    def read(self, found: Found) -> tuple[DraftFormat, DraftArchitecture, dict[str, torch.Tensor]]:
+        return read_eagle3(found.path)
+
+    def architecture_of(self, found: Found) -> DraftArchitecture:
+        assert found.config is not None  # recognised by it
+        return architecture_of(found.config)
+
+    def check(self, found: Found, target_num_layers: int | None) -> list[str]:
+        return check_eagle3(found.path, target_num_layers)
+
+    def load_checked(
+        self, found: Found, target_num_layers: int
+    ) -> tuple[DraftArchitecture, dict[str, torch.Tensor]]:
+        return load_checked_eagle3(found.path, target_num_layers)
+
+    def write(
+        self,
+        arch: DraftArchitecture,
+        tensors: dict[str, torch.Tensor],
+        out_dir: Path,
+        fmt: DraftFormat,
+        verifier: Verifier | None,
+        speculative_tokens: int,
+        target_gguf: Path | None,
+    ) -> Path:
+        return write_eagle3(arch, tensors, out_dir, fmt, verifier, speculative_tokens)
+
+
+EAGLE3_LAYOUT = Eagle3Layout(parallel=False)
+PEAGLE_LAYOUT = Eagle3Layout(parallel=True)

@@ -47,7 +47,8 @@ from eagleforge.draft.family import AnyArchitecture
 from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import unreadable_reason
-from eagleforge.formats.kinds import GGUF_ARCHITECTURE, DraftFormat
+from eagleforge.formats.kinds import GGUF_ARCHITECTURE, DraftFormat, Verifier
+from eagleforge.formats.layout import DraftLayout, Found
 
 GGUF_FILE = "draft.gguf"
 DFLASH_GGUF_ARCHITECTURE = "dflash"  # general.architecture of llama.cpp's DFlash drafts
@@ -355,16 +356,21 @@ def holds_gguf(path: str | Path) -> bool:
     return path.suffix == ".gguf" or (path / GGUF_FILE).is_file()
 
 
-def gguf_holds_dflash(path: str | Path) -> bool:
-    """Whether a GGUF draft is llama.cpp's DFlash (False when unreadable: the checks name
-    that)."""
+def gguf_architecture(path: str | Path) -> str | None:
+    """A GGUF file's ``general.architecture`` (None when it has none); CheckpointError naming
+    the file when it does not read."""
     import gguf
 
+    file = gguf_path(path)
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such file")
     try:
-        field = gguf.GGUFReader(str(gguf_path(path))).fields.get("general.architecture")
-    except Exception:  # gguf raises ValueError, OSError, struct errors
-        return False
-    return field is not None and field.contents() == DFLASH_GGUF_ARCHITECTURE
+        field = gguf.GGUFReader(str(file)).fields.get("general.architecture")
+    except Exception as e:  # gguf raises ValueError, OSError, struct errors
+        raise CheckpointError(
+            f"{file}: not a readable GGUF file ({unreadable_reason(e)})"
+        ) from None
+    return None if field is None else str(field.contents())
 
 
 def read_gguf(
@@ -642,3 +648,57 @@ def _dflash_from(
         target_model_type=fields.get("eagleforge.target_model_type", "llama"),
     )
     return problems, arch, _matching_dtype(tensors)
+
+
+class GGUFLayout:
+    """The drafts of another layout's family as llama.cpp's GGUF file (``architecture``: its
+    ``general.architecture``), alone or as ``DIR/draft.gguf``."""
+
+    def __init__(self, architecture: str, of: DraftLayout) -> None:
+        self.architecture, self.of = architecture, of
+        self.family, self.title = of.family, of.title
+        self.signature = f"{of.title} GGUF (general.architecture {architecture})"
+        self.served_by = "llama.cpp"
+        self.writes = {DraftFormat.gguf: DraftFormat.gguf}
+
+    def recognises(self, found: Found) -> bool:
+        return found.gguf_architecture == self.architecture
+
+    def owns(self, arch: object) -> bool:
+        return self.of.owns(arch)
+
+    def read(
+        self, found: Found
+    ) -> tuple[DraftFormat, DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+        return (DraftFormat.gguf, *read_gguf(found.path))
+
+    def architecture_of(self, found: Found) -> DraftArchitecture | DFlashArchitecture:
+        return read_gguf(found.path)[0]  # its metadata and tensors are one file
+
+    def check(self, found: Found, target_num_layers: int | None) -> list[str]:
+        return check_gguf(found.path, target_num_layers)
+
+    def load_checked(
+        self, found: Found, target_num_layers: int
+    ) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
+        problems = check_gguf(found.path, target_num_layers)
+        if problems:
+            raise ConfigError(f"{found.path}: not a usable GGUF draft: {'; '.join(problems)}.")
+        return read_gguf(found.path)
+
+    def write(
+        self,
+        arch: DraftArchitecture | DFlashArchitecture,
+        tensors: dict[str, torch.Tensor],
+        out_dir: Path,
+        fmt: DraftFormat,
+        verifier: Verifier | None,
+        speculative_tokens: int,
+        target_gguf: Path | None,
+    ) -> Path:
+        if target_gguf is None:
+            raise ConfigError(
+                "export.format=gguf needs export.target_gguf: the target's GGUF file, which "
+                "llama.cpp serves the draft beside"
+            )
+        return write_gguf(arch, tensors, out_dir, target_gguf)

@@ -31,6 +31,16 @@ class DraftFormat(str, Enum):
         }[self.value]
 
     @property
+    def engine(self) -> str:
+        """What loads a draft in this format, in messages."""
+        return {
+            "sglang": "SGLang",
+            "vllm": "vLLM",
+            "speculators": "vLLM's speculators format",
+            "gguf": "llama.cpp",
+        }[self.value]
+
+    @property
     def is_directory(self) -> bool:
         """A config.json and model.safetensors (a GGUF draft is one file in its directory)."""
         return self != DraftFormat.gguf
