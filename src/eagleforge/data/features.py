@@ -39,7 +39,8 @@ from safetensors import safe_open
 from eagleforge.atomic import atomic_file
 from eagleforge.data.sources import file_digest
 from eagleforge.errors import ConfigError, DataError
-from eagleforge.files import save_safetensors
+from eagleforge.files import resolve_cache_dir, save_safetensors
+from eagleforge.fingerprint import SAMPLED_TEXT, is_sampled_fingerprint, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,14 @@ class Manifest:
         self, expected: Mapping[str, Any], store: Path, field: str = "data.features"
     ) -> None:
         """DataError naming every field of ``expected`` on which the store differs; ``field``
-        is the setting that points at the store."""
+        is the setting that points at the store. A store whose weight_hash is an older
+        eagleforge's sampled fingerprint cannot be compared: refused as such."""
+        if "weight_hash" in expected and is_sampled_fingerprint(self.weight_hash):
+            raise DataError(
+                f"{store / 'manifest.json'} records the target's weights (weight_hash) "
+                f"{SAMPLED_TEXT}; capture the store again with eagleforge.prepare into an empty "
+                f"prepare.output_dir, or point {field} elsewhere."
+            )
         diffs = [
             f"{name}: store has {getattr(self, name)!r}, the run needs {value!r}"
             for name, value in expected.items()
@@ -196,12 +204,15 @@ def expected_manifest(
     template: str,
     max_length: int,
     mrope: bool,
+    cache_dir: str | Path | None = None,
+    revision: str | None = None,
 ) -> dict[str, Any]:
     """The manifest fields a store must have for a run on this target (its transformers text
-    config and aux layers) and data: target, weights, layers, template, length."""
+    config and aux layers) and data: target, weights (``weight_hash``), layers, template,
+    length."""
     return {
         "target": model_name,
-        "weight_hash": weight_hash(model_dir),
+        "weight_hash": weight_hash(model_dir, cache_dir, revision),
         "vocab_size": int(text_config.vocab_size),
         "hidden_size": int(text_config.hidden_size),
         "aux_layer_ids": list(aux_layer_ids),
@@ -211,21 +222,14 @@ def expected_manifest(
     }
 
 
-def weight_hash(model_dir: Path) -> str:
-    """Identity of the target's weights without reading them all: sha256 over each weight
-    file's name, size, safetensors header and 16 sampled 64 KiB blocks."""
-    digest = hashlib.sha256()
-    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
-    for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little") if path.suffix == ".safetensors" else 0
-            digest.update(f.read(min(header_len, 1 << 24)))
-            for i in range(16):
-                f.seek(size * i // 16)
-                digest.update(f.read(1 << 16))
-    return digest.hexdigest()[:32]
+def weight_hash(
+    model_dir: str | Path, cache_dir: str | Path | None = None, revision: str | None = None
+) -> str:
+    """Identity of the target's weights: a hash of every byte of its weight files, read once
+    and then cached by file identity in ``cache_dir`` (default: ``resolve_cache_dir``'s);
+    ``eagleforge.fingerprint`` says what it covers."""
+    cache = Path(cache_dir) if cache_dir else resolve_cache_dir(None)
+    return weights_fingerprint(model_dir, cache, revision)
 
 
 def _read_record(path: Path, fix: str) -> dict[str, Any]:
