@@ -47,8 +47,9 @@ from eagleforge.data.preprocess import DataReport, TokenizedDataset, source_key
 from eagleforge.data.split import build_datasets
 from eagleforge.data.vocab import VocabMap, cached_vocab_map
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
-from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.errors import CheckpointRefused, ConfigError, ResumeSettingRefused
 from eagleforge.families import DraftInputs, family_for
+from eagleforge.fingerprint import SAMPLED_TEXT, is_sampled_fingerprint
 from eagleforge.optim import apply_master_dtype, build_optimizer
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import shard_draft
@@ -154,6 +155,8 @@ def offline_inputs(
         config.data.template,
         config.data.max_length,
         config.data.is_vlm,
+        cache_dir,
+        config.model.revision,
     )
     train_set, eval_set = open_store(store, expected, config.data.verify_features)
     key = hashlib.sha256(
@@ -215,7 +218,7 @@ def resume_from(resume: str, output_dir: Path) -> Path | None:
     path = explicit_checkpoint(resume)
     problem = checkpoint_problem(path)
     if problem is not None:
-        raise ConfigError(
+        raise ResumeSettingRefused(
             f"trainer.resume={resume}: {problem}, so the checkpoint is damaged; give an earlier "
             "checkpoints/step_* directory, or auto to resume from the newest intact one."
         )
@@ -228,7 +231,7 @@ def saved_config(checkpoint: Path) -> dict[str, Any]:
     try:
         saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise CheckpointError(
+        raise CheckpointRefused(
             f"{checkpoint / 'config.yaml'}: unreadable ({type(e).__name__}); delete the "
             "checkpoint to resume from the one before, or set trainer.resume=never."
         ) from None
@@ -390,8 +393,10 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
     params = flatten(yaml.safe_load(config_yaml))  # as the checkpoint's config.yaml reads back
     resume = Resume.check(checkpoint, params) if checkpoint is not None else None
 
-    with world.main_first():  # rank 0 fills the caches (converted model)
+    # rank 0 fills the caches (converted model, the digests of the target's weight files)
+    with world.main_first():
         model_dir = resolve_model_dir(config.model, cache_dir)
+        target_weights = weight_hash(model_dir, cache_dir, config.model.revision)
     tokenizer = load_tokenizer(config.model, model_dir)
     if config.data.features:
         inputs = offline_inputs(config, Path(model_dir), tokenizer, world.device, cache_dir)
@@ -403,8 +408,16 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         len(inputs.eval or []),
         inputs.train.num_tokens(),
     )
-    identity = {"target_weights": weight_hash(Path(model_dir)), "data": inputs.data_key}
+    identity = {"target_weights": target_weights, "data": inputs.data_key}
     if resume is not None:
+        saved = read_run_record(resume.checkpoint).get("identity")
+        if isinstance(saved, dict) and is_sampled_fingerprint(saved.get("target_weights")):
+            raise ResumeSettingRefused(
+                f"{resume.checkpoint / 'run.json'} records the target's weights "
+                f"(identity.target_weights) {SAMPLED_TEXT}; start a new run from it with "
+                f"model.draft_init={resume.checkpoint} (another hydra.run.dir, or "
+                "trainer.resume=never)."
+            )
         check_identity(resume.checkpoint, identity)
     draft = build_draft(config, inputs, world, tokenizer)
     sp = SequenceParallel.from_world(world)

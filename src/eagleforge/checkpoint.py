@@ -11,9 +11,12 @@ run resumes on any number of ranks. A checkpoint that lacks one of its files or 
 not match their checksums is damaged (a disk or copy error, a file deleted after the save):
 ``newest_checkpoint`` passes over it, with a warning, to the one before.
 
-What a resumed run may change is ``RESUMABLE`` (docs/training.md#resuming); ``resume_changes``
-refuses any other difference from the checkpoint's config, naming the fields, and
-``check_identity`` refuses another target or other data.
+Every section and field of the config either may change on resume (``RESUMABLE``) or defines the
+run (``DEFINES_RUN``; docs/training.md#resuming); ``resume_changes`` refuses a difference in one
+that defines it, naming the fields, and ``check_identity`` refuses another target or other
+data. Each refusal of a resume -- a changed run, another target or data, a damaged checkpoint
+or one of a newer format -- is a ``ResumeRefused``, raised before anything of the run is
+touched.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from eagleforge.atomic import atomic_directory, is_disk_full
 from eagleforge.draft.family import AnyArchitecture, AnyDraft, TrainingModule
-from eagleforge.errors import CheckpointError, ConfigError, ResumeRefused
+from eagleforge.errors import CheckpointError, CheckpointRefused, ResumeSettingRefused
 from eagleforge.files import CHECKSUMS, checksum_problem, record_checksums, unreadable_reason
 from eagleforge.formats.directory import load_draft_dir, write_draft
 from eagleforge.formats.kinds import DraftFormat
@@ -54,10 +57,12 @@ CHECKPOINT_VERSION = 1
 # Every checkpoint holds these (run.json and checksums.json since version 1).
 CHECKPOINT_FILES = ("config.json", "model.safetensors", TRAINING_STATE, "config.yaml")
 
-# The fields of the resolved config (flattened keys, or the prefix of a section) that a
-# resumed run may change: each takes effect from the step it resumes at. Paths may point
-# elsewhere because what they point to is checked by content (``check_identity``). Every other
-# field defines the run, and a difference is refused.
+# Every section and field of the root config is named in one of the two lists below (a unit
+# test keeps it so), each by its flattened key or the prefix of a section; the longest name
+# that covers a key decides it, so a section that defines the run may name its resumable fields
+# here. A key neither names is refused. The fields a resumed run may change take effect from
+# the step it resumes at; paths may point elsewhere because what they point to is checked by
+# content (``check_identity``).
 RESUMABLE = (
     # the schedule: lr at step s is always lr x lr_multiplier(s, run length) (optim.py)
     "optimizer.lr",
@@ -89,6 +94,7 @@ RESUMABLE = (
     "tracker",
     "profile",
     "eval",
+    "llamacpp",  # the llama.cpp judge, as vllm
     # paths, checked by content
     "model.path",
     "data.path",
@@ -106,21 +112,33 @@ RESUMABLE = (
     "regenerate",
 )
 
+# What defines the run: the target, the data, the draft, its loss, the optimizer's kind and
+# state, the batch and the seed; a resume that changes any of these is refused.
+DEFINES_RUN = ("model", "data", "draft", "loss", "optimizer", "trainer", "seed")
+
 log = logging.getLogger(__name__)
 
 
 def resumable(key: str) -> bool:
-    """Whether the flattened config field ``key`` may change on resume (``RESUMABLE``)."""
-    return any(key == field or key.startswith(field + ".") for field in RESUMABLE)
+    """Whether the flattened config field ``key`` may change on resume: the longest name of
+    ``RESUMABLE`` and ``DEFINES_RUN`` that covers it is resumable (none: it is not)."""
+    covering = [name for name in (*RESUMABLE, *DEFINES_RUN) if covers(name, key)]
+    return bool(covering) and max(covering, key=len) in RESUMABLE
+
+
+def covers(name: str, key: str) -> bool:
+    """Whether ``name`` (a flattened key, or a section's prefix) is ``key`` or a section
+    holding it."""
+    return key == name or key.startswith(name + ".")
 
 
 def resume_changes(
     saved: Mapping[str, Any], current: Mapping[str, Any], checkpoint: Path
 ) -> dict[str, tuple[Any, Any]]:
     """The fields (flattened config keys) in which ``current`` differs from the checkpoint's
-    ``saved`` config, as {key: (saved, current)}; all of them resumable, else ConfigError
-    naming every one that is not. A field one of the two configs lacks (added or removed by
-    another eagleforge version) is not compared."""
+    ``saved`` config, as {key: (saved, current)}; all of them resumable, else
+    ResumeSettingRefused naming every one that is not. A field one of the two configs lacks
+    (added or removed by another eagleforge version) is not compared."""
     differ = {
         key: (saved[key], value)
         for key, value in current.items()
@@ -130,7 +148,7 @@ def resume_changes(
         f"{key}: {old!r} -> {new!r}" for key, (old, new) in differ.items() if not resumable(key)
     ]
     if refused:
-        raise ResumeRefused(
+        raise ResumeSettingRefused(
             f"{checkpoint} was trained with other settings ({'; '.join(refused)}); a resumed run "
             "keeps what defines it (docs/training.md#resuming): put them back, or start a new "
             "run (another hydra.run.dir, or trainer.resume=never)."
@@ -139,15 +157,15 @@ def resume_changes(
 
 
 def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
-    """A checkpoint's ``run.json`` (empty for one written before versioning); CheckpointError
-    for one written by a newer, incompatible eagleforge."""
+    """A checkpoint's ``run.json`` (empty for one written before versioning); CheckpointRefused
+    for an unreadable one, and for one written by a newer, incompatible eagleforge."""
     path = Path(checkpoint) / RUN_RECORD
     if not path.is_file():
         return {}
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(
+        raise CheckpointRefused(
             f"{path}: unreadable ({type(e).__name__}: {e}); delete the checkpoint to resume "
             "from the one before, or set trainer.resume=never."
         ) from None
@@ -157,12 +175,12 @@ def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
         or record.get("format") != CHECKPOINT_FORMAT
         or not isinstance(version, int)
     ):
-        raise CheckpointError(
+        raise CheckpointRefused(
             f"{path}: not an {CHECKPOINT_FORMAT} record; delete the checkpoint to resume from "
             "the one before, or set trainer.resume=never."
         )
     if version > CHECKPOINT_VERSION:
-        raise CheckpointError(
+        raise CheckpointRefused(
             f"{checkpoint}: written by a newer eagleforge (checkpoint format v{version}; this "
             f"one reads up to v{CHECKPOINT_VERSION}); resume it with that version, or set "
             "trainer.resume=never."
@@ -178,7 +196,7 @@ IDENTITY_NAMES = {
 
 
 def check_identity(checkpoint: Path, identity: Mapping[str, str]) -> None:
-    """ConfigError unless the run's identity (``run_identity``: the target's weights, the
+    """ResumeSettingRefused unless the run's identity (``run_identity``: the target's weights, the
     training data) is the checkpoint's. One written before versioning has none: unverified."""
     saved = read_run_record(checkpoint).get("identity")
     if not isinstance(saved, dict):
@@ -188,7 +206,7 @@ def check_identity(checkpoint: Path, identity: Mapping[str, str]) -> None:
         return
     differ = [IDENTITY_NAMES.get(k, k) for k, v in identity.items() if k in saved and saved[k] != v]
     if differ:
-        raise ResumeRefused(
+        raise ResumeSettingRefused(
             f"{checkpoint} was trained on other inputs: {'; '.join(differ)} differ from this "
             "run's; resume with the target and data it was trained on, or start a new run "
             "(another hydra.run.dir, or trainer.resume=never)."
@@ -328,16 +346,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def explicit_checkpoint(resume: str) -> Path:
-    """The directory ``trainer.resume=<resume>`` names; ConfigError unless it is a training
-    checkpoint (its files and checksums are checked where it is resumed from)."""
+    """The directory ``trainer.resume=<resume>`` names; ResumeSettingRefused unless it is a
+    training checkpoint (its files and checksums are checked where it is resumed from)."""
     path = Path(resume)
     if not path.is_dir():
-        raise ConfigError(
+        raise ResumeSettingRefused(
             f"trainer.resume={resume}: no such directory; give a checkpoints/step_* directory, "
             "auto or never."
         )
     if not (path / TRAINING_STATE).is_file() and not (path / "config.yaml").is_file():
-        raise ConfigError(
+        raise ResumeSettingRefused(
             f"trainer.resume={resume}: not a training checkpoint (no {TRAINING_STATE}); give a "
             "checkpoints/step_* directory, auto or never."
         )
@@ -351,7 +369,7 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete and intact ``checkpoints/step_*`` of a run. The hidden temporary
     directories of an interrupted save are not checkpoints, and are ignored; a damaged one
     (``checkpoint_problem``: a file missing or not matching its checksum) is passed over with
-    a warning -- the run saves that step anew when it gets there. Raises CheckpointError when
+    a warning -- the run saves that step anew when it gets there. Raises CheckpointRefused when
     every checkpoint is damaged, rather than starting the run over, and for one written by a
     newer eagleforge, rather than going back before it."""
     root = Path(output_dir) / "checkpoints"
@@ -372,7 +390,7 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
         )
         damaged.append(f"{path.name}: {problem}")
     if damaged:
-        raise CheckpointError(
+        raise CheckpointRefused(
             f"{root}: every checkpoint is damaged ({'; '.join(damaged)}); restore one from a "
             "copy, or delete them (or set trainer.resume=never) to start over."
         )
@@ -404,12 +422,12 @@ def load_draft_weights(draft: AnyDraft, tensors: dict[str, torch.Tensor], path: 
     draft.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=False)
 
 
-def _read_state(path: Path) -> dict[str, Any]:
+def _read_state(path: Path, error: type[CheckpointError] = CheckpointError) -> dict[str, Any]:
     try:
         # memory-mapped: reading the progress alone does not load the optimizer state
         return torch.load(path / TRAINING_STATE, weights_only=True, map_location="cpu", mmap=True)
     except Exception as e:  # torch raises many types on bad files
-        raise CheckpointError(
+        raise error(
             f"{path}: unreadable checkpoint ({TRAINING_STATE}: {unreadable_reason(e)}); delete "
             "it to resume from the one before, or set trainer.resume=never."
         ) from None
@@ -422,8 +440,11 @@ def read_history(checkpoint_dir: str | Path) -> dict[str, Any]:
 
 
 def read_progress(checkpoint_dir: str | Path) -> dict[str, int]:
-    """A checkpoint's progress (step, epoch, data position, data shards, run length)."""
-    return {k: int(v) for k, v in _read_state(Path(checkpoint_dir))["progress"].items()}
+    """A checkpoint's progress (step, epoch, data position, data shards, run length). Read
+    where a resume is decided, before anything of the run is touched: CheckpointRefused for an
+    unreadable state."""
+    state = _read_state(Path(checkpoint_dir), CheckpointRefused)
+    return {k: int(v) for k, v in state["progress"].items()}
 
 
 def load_checkpoint(

@@ -5,11 +5,12 @@ Entry points catch these and print them without a traceback; anything else is a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import sys
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -31,15 +32,26 @@ class CheckpointError(EagleForgeError, ValueError):
     """A checkpoint is unreadable or does not fit the run; the message names its directory."""
 
 
-class ResumeRefused(ConfigError):
-    """A resume that would change what defines the run (``checkpoint.resume_changes``,
-    ``check_identity``): refused before anything of the run is touched."""
+class ResumeRefused(EagleForgeError, ValueError):
+    """A resume refused before anything of the run is touched: the entry point leaves the run
+    directory's ``.hydra/`` and its MLflow run as they were. Raised as one of the two kinds
+    below, so that each still reads as the config or the checkpoint being at fault."""
+
+
+class ResumeSettingRefused(ResumeRefused, ConfigError):
+    """The run's config or inputs differ from the checkpoint's in what defines the run
+    (``checkpoint.resume_changes``, ``check_identity``), or ``trainer.resume`` names no
+    usable checkpoint."""
+
+
+class CheckpointRefused(ResumeRefused, CheckpointError):
+    """The checkpoint a run would resume from is damaged, unreadable, or of a newer format."""
 
 
 class Stopped(SystemExit):
     """A stop signal (SIGTERM: SLURM's preemption, scancel, kill; SIGHUP: a closed terminal)
-    ended a command that has no step to finish (``engine.server.stop_on_signals`` raises it in
-    the main thread). On its way out every ``with`` and ``finally`` runs -- engines stop, the
+    ended a command that has no step to finish (``stop_on_signals`` raises it in the main
+    thread). On its way out every ``with`` and ``finally`` runs -- engines stop, the
     MLflow run is ended as KILLED -- and, uncaught, it exits with 128 + the signal, as the
     signal itself would have."""
 
@@ -68,3 +80,52 @@ def exit_on_user_error(main: Callable[P, R]) -> Callable[P, R]:
             sys.exit(130)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """While active, SIGTERM and SIGHUP (a ``kill``, a closed terminal) raise ``Stopped`` (a
+    SystemExit with status 128 + the signal) in the main thread instead of ending the process
+    at once, so every ``with`` and ``finally`` runs: engines stop, files are left whole.
+    Handlers someone else installed are left alone."""
+    previous: dict[signal.Signals, Any] = {}
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise Stopped(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _exit)
+        except ValueError:  # not the main thread
+            break
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def stopped_in_one_line(line: Callable[[str], str]) -> Iterator[None]:
+    """A command's stop, the same for every command with no step to finish (prepare,
+    evaluate, regenerate): SIGTERM and SIGHUP (``stop_on_signals``) and Ctrl-C end the block
+    with one line on stderr, ``line(how)`` -- ``how`` is "stopped by SIGTERM" or "interrupted
+    (Ctrl-C)"; the line says what stopped, what is safe on disk and what to run to go on --
+    and exit status 128 + the signal (143, 130), as the signal itself would have given."""
+    try:
+        with stop_on_signals():
+            yield
+    except Stopped as stop:
+        print(_stop_text(line, f"stopped by {stop.signal_name}"), file=sys.stderr, flush=True)
+        raise
+    except KeyboardInterrupt:
+        print(_stop_text(line, "interrupted (Ctrl-C)"), file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
+
+
+def _stop_text(line: Callable[[str], str], how: str) -> str:
+    try:
+        return line(how)
+    except Exception:  # reading what is on disk failed: the stop still gets its line
+        return f"{how}: run the same command again to go on."

@@ -14,7 +14,7 @@ from eagleforge.builder import resume_from
 from eagleforge.checkpoint import newest_checkpoint, save_checkpoint
 from eagleforge.draft.attention import AttentionBackend
 from eagleforge.draft.ttt import TTTModule
-from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.errors import CheckpointError, ConfigError, ResumeRefused
 from eagleforge.files import CHECKSUMS
 from eagleforge.formats.directory import check_draft, load_checked_draft
 from eagleforge.parallel import ParallelDims
@@ -171,6 +171,7 @@ def test_weights_and_checksums_both_gone_fall_back_with_the_runs_own_advice(
     with pytest.raises(CheckpointError, match=r"every checkpoint is damaged") as error:
         newest_checkpoint(tmp_path)
     assert "export" not in str(error.value)
+    assert isinstance(error.value, ResumeRefused)  # the run's record is left as it was
 
 
 def test_checkpoints_carry_a_format_version_and_a_newer_one_is_refused(tmp_path: Path) -> None:
@@ -187,9 +188,10 @@ def test_checkpoints_carry_a_format_version_and_a_newer_one_is_refused(tmp_path:
     (second / RUN_RECORD).write_text(json.dumps(record))
     record_checksums(second)
     # not passed over for step 2 (the run would go back and overwrite the newer one)
-    with pytest.raises(CheckpointError, match=r"step_00000004: written by a newer eagleforge"):
+    with pytest.raises(CheckpointError, match=r"step_00000004: written by a newer eagleforge") as e:
         newest_checkpoint(tmp_path)
-    with pytest.raises(CheckpointError, match=r"checkpoint format v2; this one reads up to v1"):
+    assert isinstance(e.value, ResumeRefused)
+    with pytest.raises(ResumeRefused, match=r"checkpoint format v2; this one reads up to v1"):
         resume_from(str(second), tmp_path)
 
 
@@ -202,7 +204,65 @@ def test_a_checkpoint_of_another_target_or_other_data_is_refused(tmp_path: Path)
     identity = {"target_weights": "a1", "data": "k/train"}
     (checkpoint / RUN_RECORD).write_text(json.dumps(run_record(identity, [])))
     check_identity(checkpoint, identity)
-    with pytest.raises(ConfigError, match=r"trained on other inputs: the target's weights"):
+    with pytest.raises(ConfigError, match=r"trained on other inputs: the target's weights") as e:
         check_identity(checkpoint, {**identity, "target_weights": "b2"})
-    with pytest.raises(ConfigError, match=r"trained on other inputs: the training data"):
+    assert isinstance(e.value, ResumeRefused)
+    with pytest.raises(ResumeRefused, match=r"trained on other inputs: the training data"):
         check_identity(checkpoint, {**identity, "data": "other/train"})
+
+
+def _schema_fields(cls: type, prefix: str = "") -> set[str]:
+    """Every section and field of a config dataclass, as flattened keys (``optimizer``,
+    ``optimizer.muon``, ``optimizer.muon.lr_ratio``, ...)."""
+    import dataclasses
+    import typing
+
+    found = set()
+    for name, hint in typing.get_type_hints(cls).items():
+        key = f"{prefix}{name}"
+        found.add(key)
+        inner = [a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)]
+        if inner:
+            found |= _schema_fields(inner[0], key + ".")  # type: ignore[arg-type]
+    return found
+
+
+def test_every_section_of_the_config_is_classified_for_resume() -> None:
+    """Each top-level section and field of the root schema is named as either resumable or
+    defining the run -- once -- so that a new one cannot be left out silently (as llamacpp
+    was, which refused a resume that changed the judge); and every name is a real field."""
+    import dataclasses
+
+    from eagleforge.checkpoint import DEFINES_RUN, RESUMABLE
+    from eagleforge.config import EagleForgeConfig
+
+    top = {f.name for f in dataclasses.fields(EagleForgeConfig)}
+    named = [name for name in (*RESUMABLE, *DEFINES_RUN) if "." not in name]
+    assert sorted(named) == sorted(top)  # every one, none twice
+    assert not set(RESUMABLE) & set(DEFINES_RUN)
+    assert set(RESUMABLE) | set(DEFINES_RUN) <= _schema_fields(EagleForgeConfig)
+
+
+def test_a_resume_may_change_the_judges_and_what_is_resumable_inside_a_run_defining_section(
+    tmp_path: Path,
+) -> None:
+    from eagleforge.checkpoint import resumable, resume_changes
+
+    saved = {
+        "llamacpp.threads": 2,
+        "vllm.max_model_len": 2048,
+        "optimizer.lr": 1e-3,
+        "optimizer.muon.lr_ratio": 0.2,
+        "optimizer.muon.momentum": 0.95,
+        "seed": 0,
+    }
+    now = {**saved, "llamacpp.threads": 4, "vllm.max_model_len": 4096, "optimizer.lr": 2e-3}
+    assert resume_changes(saved, now, tmp_path) == {
+        "llamacpp.threads": (2, 4),
+        "vllm.max_model_len": (2048, 4096),
+        "optimizer.lr": (1e-3, 2e-3),
+    }
+    assert resumable("optimizer.muon.lr_ratio") and not resumable("optimizer.muon.momentum")
+    assert not resumable("seed") and not resumable("a_section_no_list_names.field")
+    with pytest.raises(ResumeRefused, match=r"other settings \(optimizer.muon.momentum: 0.95 -> 0.9; seed: 0 -> 1\)"):  # fmt: skip
+        resume_changes(saved, {**now, "optimizer.muon.momentum": 0.9, "seed": 1}, tmp_path)
