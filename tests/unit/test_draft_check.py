@@ -12,7 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagleforge.errors import CheckpointError, ConfigError
-from eagleforge.formats.directory import check_draft, load_checked_draft, read_draft
+from eagleforge.formats.directory import (
+    LAYOUTS,
+    check_draft,
+    load_checked_draft,
+    read_architecture,
+    read_draft,
+)
 from eagleforge.formats.eagle3 import export_sglang
 from helpers.drafts import tiny_draft
 
@@ -125,3 +131,56 @@ def test_a_path_that_is_no_directory_is_named_as_such(tmp_path: Path) -> None:
     assert problem.startswith(f"{file}: not a directory (a draft is a directory with config.json")
     with pytest.raises(ConfigError, match=r"nope: no such directory\.$"):
         load_checked_draft(missing, 6)
+
+
+# config.json of what is no draft eagleforge reads -> how the refusal names it
+NOT_DRAFTS = {
+    "a target model": (
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16},
+        "config.json with architectures ['LlamaForCausalLM'], model_type 'llama'",
+    ),
+    "a made-up architecture": (
+        {"architectures": ["MedusaHeadForCausalLM"], "model_type": "medusa"},
+        "config.json with architectures ['MedusaHeadForCausalLM'], model_type 'medusa'",
+    ),
+    "a speculators type not written here": (
+        {"architectures": ["Eagle3Speculator"], "speculators_model_type": "peagle"},
+        "config.json with architectures ['Eagle3Speculator'], model_type None, "
+        "speculators_model_type 'peagle'",
+    ),
+    "no config.json": (None, "no config.json and no .gguf file"),
+}
+
+
+@pytest.mark.parametrize(("config", "named"), NOT_DRAFTS.values(), ids=list(NOT_DRAFTS))
+def test_a_directory_no_layout_recognises_is_refused_in_one_line(
+    tmp_path: Path,
+    config: dict | None,  # type: ignore[type-arg]
+    named: str,
+) -> None:
+    """Not read as an EAGLE-3 draft for want of another: read, check and load each name what
+    the directory holds and what eagleforge reads, in one line."""
+    path = tmp_path / "model"
+    path.mkdir()
+    save_file({"model.norm.weight": torch.ones(16)}, str(path / "model.safetensors"))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    refusal = f"{path}: not a draft eagleforge reads: {named}; eagleforge reads "
+    (problem,) = check_draft(path, target_num_layers=4)
+    assert problem.startswith(refusal) and "\n" not in problem
+    assert all(layout.signature in problem for layout in LAYOUTS)
+    for read in (read_draft, read_architecture):
+        with pytest.raises(CheckpointError) as refused:
+            read(path)
+        assert str(refused.value) == problem
+    with pytest.raises(ConfigError) as refused:
+        load_checked_draft(path, 6)
+    assert str(refused.value) == f"{problem}."
+
+
+def test_a_directory_two_layouts_would_read_is_refused_not_guessed(tmp_path: Path) -> None:
+    path = _draft_dir(tmp_path)
+    _edit_config(path, lambda c: c.__setitem__("dflash_config", {"block_size": 4}))
+    (problem,) = check_draft(path)
+    assert problem.startswith(f"{path}: config.json with architectures ['LlamaForCausalLMEagle3']")
+    assert "reads as EAGLE-3 (" in problem and "and as DFlash (" in problem

@@ -1,12 +1,16 @@
 """model.draft_init given the other family's draft (a DFlash draft to draft=eagle3, an EAGLE-3
 draft to draft=dflash) is named as such, with the draft= that takes it, in one line: before the
-target loads (preflight) and where the weights are read (families.init_from)."""
+target loads (preflight) and where the weights are read (families.init_from); a directory of
+no draft at all is named by what it holds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.draft.config import DraftFamily
@@ -14,6 +18,7 @@ from eagleforge.draft.dflash import DFlashArchitecture, DFlashDraft
 from eagleforge.errors import ConfigError
 from eagleforge.families import init_from
 from eagleforge.formats.dflash import write_dflash
+from eagleforge.formats.directory import family_problem
 from eagleforge.formats.eagle3 import export_sglang
 from eagleforge.preflight import check_inputs
 from helpers.drafts import tiny_draft
@@ -71,3 +76,31 @@ def test_preflight_names_the_other_family_before_the_target_loads(
     with pytest.raises(ConfigError, match=r"an EAGLE-3 draft, this run trains draft=dflash"):
         check_inputs(typed("draft=dflash", f"model.draft_init={drafts['eagle3']}"))
     check_inputs(typed("draft=dflash", f"model.draft_init={drafts['dflash']}"))
+
+
+def test_a_directory_of_no_draft_is_refused_naming_what_it_holds(tmp_path: Path) -> None:
+    """A target model's directory given as model.draft_init: one line naming its config.json
+    and the drafts eagleforge reads, before the target loads and where the weights are read
+    (it was once read as an EAGLE-3 draft and reported field by field)."""
+    plain = tmp_path / "SmolLM2"
+    plain.mkdir()
+    (plain / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    save_file({"model.norm.weight": torch.ones(16)}, str(plain / "model.safetensors"))
+    reason = family_problem(plain, DraftFamily.eagle3)
+    assert reason is not None and reason.startswith(
+        "not a draft eagleforge reads: config.json with architectures ['LlamaForCausalLM'], "
+        "model_type 'llama'; eagleforge reads EAGLE-3 (architectures LlamaForCausalLMEagle3"
+    )
+    assert family_problem(plain, DraftFamily.dflash) == reason
+    with pytest.raises(ConfigError) as info:
+        init_from(tiny_draft(), DraftFamily.eagle3, plain, 6)
+    assert str(info.value) == f"model.draft_init={plain}: {reason}."
+    config = to_typed(
+        compose_config(["+model=smollm2", "data=chitchat", "output_dir=.",
+                        f"model.draft_init={plain}"])
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        check_inputs(config)
+    assert str(info.value) == f"model.draft_init={plain}: {reason}."

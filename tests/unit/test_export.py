@@ -12,17 +12,112 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagleforge.draft.config import DraftFamily
+from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError
 from eagleforge.export import check_main, export
+from eagleforge.families import FAMILIES, family_of
 from eagleforge.formats.config import ExportConfig, ExportDType
-from eagleforge.formats.directory import check_draft, read_draft
+from eagleforge.formats.directory import (
+    LAYOUTS,
+    check_draft,
+    layouts_of,
+    read_architecture,
+    read_draft,
+    write_draft,
+)
 from eagleforge.formats.eagle3 import export_sglang
-from eagleforge.formats.gguf import float32_rounded
-from eagleforge.formats.kinds import DraftFormat
-from helpers.drafts import tiny_draft, tiny_target_gguf
+from eagleforge.formats.gguf import float32_rounded, gguf_architecture
+from eagleforge.formats.kinds import DraftFormat, Verifier
+from eagleforge.formats.layout import DraftLayout, Found
+from helpers.drafts import tiny_dflash, tiny_draft, tiny_target_gguf
 
 pytestmark = pytest.mark.unit
 FORMATS = list(DraftFormat)
+
+
+def _tiny_peagle() -> Eagle3Draft:
+    draft = tiny_draft(seed=3)
+    draft.arch.mask_token_id = 7
+    draft.register_buffer("mask_hidden", torch.randn(1, 1, 36))
+    return draft
+
+
+# a tiny draft of each family, for the round trip of every layout (the registry test below
+# fails for a family that has none)
+TINY_DRAFTS = {
+    DraftFamily.eagle3: lambda: tiny_draft(seed=3),
+    DraftFamily.peagle: _tiny_peagle,
+    DraftFamily.dflash: lambda: tiny_dflash(seed=3),
+}
+WRITTEN = [(layout, fmt) for layout in LAYOUTS for fmt in layout.writes]
+
+
+def test_every_family_has_its_layouts_and_a_gguf_one_where_llama_cpp_serves_it() -> None:
+    assert {layout.family for layout in LAYOUTS} == set(DraftFamily) == set(TINY_DRAFTS)
+    for family in FAMILIES.values():
+        as_gguf = any(DraftFormat.gguf in layout.writes for layout in layouts_of(family.name))
+        assert as_gguf == (family.llamacpp_type is not None), family.title
+
+
+@pytest.mark.parametrize(
+    ("layout", "fmt"),
+    WRITTEN,
+    ids=[f"{layout.family.value}-{fmt.value}" for layout, fmt in WRITTEN],
+)
+def test_every_layout_reads_back_what_it_writes_as_its_own_family(
+    tmp_path: Path, layout: DraftLayout, fmt: DraftFormat
+) -> None:
+    """Each written draft is recognised by its layout alone (no two layouts claim one
+    directory), and reads back as the same family, format, architecture and tensors."""
+    draft = TINY_DRAFTS[layout.family]()
+    tensors = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")}
+    gguf = fmt == DraftFormat.gguf
+    out = write_draft(
+        draft.arch, tensors, tmp_path / "out", fmt, Verifier("/models/Tiny-8B"),
+        target_gguf=tiny_target_gguf(tmp_path / "target.gguf") if gguf else None,
+    )  # fmt: skip
+    found = (
+        Found(out, gguf=True, gguf_architecture=gguf_architecture(out))
+        if gguf
+        else Found(out, config=_config(out))
+    )
+    assert [other for other in LAYOUTS if other.recognises(found)] == [layout]
+    read_fmt, arch, read_tensors = read_draft(out)
+    assert read_fmt == layout.writes[fmt]
+    assert arch == (float32_rounded(draft.arch) if gguf else draft.arch) == read_architecture(out)
+    assert family_of(arch).name == layout.family
+    assert read_tensors.keys() == tensors.keys()
+    assert all(torch.equal(read_tensors[k], tensors[k]) for k in tensors)
+    assert check_draft(out, target_num_layers=5) == []
+
+
+def _plain_model(path: Path) -> Path:
+    """A target model's directory: a plain LlamaForCausalLM config.json and weights."""
+    path.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16}
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"model.norm.weight": torch.ones(16)}, str(path / "model.safetensors"))
+    return path
+
+
+def test_a_directory_no_layout_recognises_is_refused_by_export_and_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A target's own directory given as the draft (once read as an EAGLE-3 draft and
+    reported field by field) is one line naming what it holds and what eagleforge reads."""
+    plain = _plain_model(tmp_path / "SmolLM2")
+    refusal = (
+        f"{plain}: not a draft eagleforge reads: config.json with architectures "
+        "['LlamaForCausalLM'], model_type 'llama'; eagleforge reads "
+        + ", ".join(layout.signature for layout in LAYOUTS)
+    )
+    assert check_main(["--check", str(plain)]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"{plain}: 1 problem(s)", f"  - {refusal}"]
+    with pytest.raises(ConfigError) as refused:
+        export(ExportConfig(draft=str(plain), output_dir=str(tmp_path / "out")))
+    assert str(refused.value) == f"{plain}: cannot export it: {refusal}."
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SmolLM2"]
 
 
 @pytest.fixture
