@@ -46,8 +46,10 @@ from eagleforge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ALGORITHM = "xxh3-128"
-# Bytes per read: large enough that the syscalls cost nothing next to the hashing.
-BLOCK_BYTES = 16 << 20
+# Bytes per read: small enough to stay in the CPU's cache between the read and the hash (from
+# the page cache, 1 MiB blocks hashed at 2.8 GB/s where 16 MiB ones managed 1.4), large enough
+# that the syscalls cost nothing.
+BLOCK_BYTES = 1 << 20
 # A file changed this recently is not cached (see the module docstring).
 SETTLE_S = 2.0
 # Above this many bytes to read, one INFO line says beforehand why the run waits.

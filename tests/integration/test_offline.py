@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from eagleforge.prepare import run as prepare
 from eagleforge.train import run as train
 from helpers.processes import dead_pid
 from helpers.runs import tiny_run_overrides
+from helpers.weights import scale_tensor, tiny_target_copy
 
 pytestmark = pytest.mark.integration
 
@@ -173,6 +175,23 @@ def test_store_of_another_setup_is_refused(tmp_path: Path, store: Path) -> None:
         _train(tmp_path, "other", f"data.features={store}", "data.max_length=64")
     with pytest.raises(DataError, match="max_length"):  # capturing into it with other settings
         _prepare(tmp_path, store, "data.max_length=64")
+
+
+def test_a_store_is_refused_once_its_target_is_edited_on_disk(tmp_path: Path) -> None:
+    """Layer 3's down_proj x 1.5 in the target's safetensors after capture (an edit the sampled
+    fingerprint of older eagleforge did not read): training from the store and capturing more
+    into it are refused in one line naming weight_hash."""
+    target = tiny_target_copy(tmp_path / "target")
+    source = ("model.source=pretrained", f"model.path={target}")
+    store = _prepare(tmp_path, tmp_path / "features", *source)
+    scale_tensor(target / "model.safetensors", "model.layers.3.mlp.down_proj.weight", 1.5)
+    with pytest.raises(DataError) as refused:
+        _train(tmp_path, "edited", *source, f"data.features={store}")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert re.search(r"weight_hash: store has 'xxh3-128:\w{32}', the run needs 'xxh3-128:", message)
+    with pytest.raises(DataError, match=r"weight_hash: store has"):
+        _prepare(tmp_path, store, *source)
 
 
 def test_fp8_store_is_a_quarter_of_fp32_and_trains(tmp_path: Path, store: Path) -> None:
