@@ -17,12 +17,13 @@ import torch
 from eagleforge.atomic import this_host
 from eagleforge.checkpoint import TRAINING_STATE, read_progress
 from eagleforge.config import compose_config
-from eagleforge.errors import CheckpointError
-from eagleforge.files import CHECKSUMS
+from eagleforge.errors import CheckpointError, ResumeRefused
+from eagleforge.files import CHECKSUMS, record_checksums
 from eagleforge.train import run
 from eagleforge.trainer import Trainer
 from helpers.processes import dead_pid
 from helpers.runs import start_from, tiny_run_overrides, weights
+from helpers.weights import overlaps, sampled_spans, scale_tensor, tensor_span, tiny_target_copy
 
 pytestmark = pytest.mark.integration
 
@@ -404,3 +405,43 @@ def test_a_refused_resume_leaves_the_runs_record_as_it_was(tmp_path: Path) -> No
     assert "Traceback" not in refused.stderr + refused.stdout
     assert {p: p.read_bytes() for p in before} == before
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_a_target_edited_on_disk_is_refused_on_resume(tmp_path: Path) -> None:
+    """Layer 3's down_proj x 1.5 in the target's safetensors, in place, where the sampled
+    fingerprint of older eagleforge read nothing: the resume is refused in one line naming the
+    target's weights, and nothing of the run changes; with the weights put back it resumes. A
+    checkpoint that records an older sampled fingerprint is refused as such."""
+    target = tiny_target_copy(tmp_path / "target")
+    args = ("model.source=pretrained", f"model.path={target}")
+    run(compose_config(overrides(tmp_path, "edited", *args, "trainer.max_num_steps=2")))
+    checkpoints = tmp_path / "edited" / "checkpoints"
+    record = json.loads((checkpoints / "step_00000002" / "run.json").read_text())
+    assert record["identity"]["target_weights"].startswith("xxh3-128:")
+    weights, name = target / "model.safetensors", "model.layers.3.mlp.down_proj.weight"
+    original = weights.read_bytes()
+    assert not overlaps(tensor_span(weights, name)[:2], sampled_spans(weights))
+    scale_tensor(weights, name, 1.5)
+    with pytest.raises(ResumeRefused) as refused:
+        run(compose_config(overrides(tmp_path, "edited", *args, "trainer.max_num_steps=3")))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "step_00000002 was trained on other inputs: the target's weights (model.*)" in message
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000002"]
+    weights.write_bytes(original)
+    resumed = run(compose_config(overrides(tmp_path, "edited", *args, "trainer.max_num_steps=3")))
+    assert resumed.step == 3
+    # as a checkpoint of an older eagleforge records it (checksums.json agreeing)
+    step_3 = checkpoints / "step_00000003"
+    record = json.loads((step_3 / "run.json").read_text())
+    record["identity"]["target_weights"] = "0123456789abcdef0123456789abcdef"
+    (step_3 / "run.json").write_text(json.dumps(record))
+    record_checksums(step_3)
+    with pytest.raises(ResumeRefused) as refused:
+        run(compose_config(overrides(tmp_path, "edited", *args, "trainer.max_num_steps=4")))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert (
+        "run.json records the target's weights (identity.target_weights) by the sampled " in message
+    )
+    assert f"model.draft_init={step_3}" in message
