@@ -16,13 +16,17 @@ decoder layer), like SGLang. vLLM collects a layer's *input* (the previous layer
 so its numbers are one higher: the same three hidden states are [1, 15, 28] for SGLang and
 [2, 16, 29] for vLLM on a 32-layer target.
 
-The modules split by family, each owning its layout's writing, reading and checking:
+The modules split by family, each owning its layouts' writing, reading, checking and
+recognising (a ``DraftLayout`` object each):
 
 - ``eagle3``: an EAGLE-3 draft (and P-EAGLE's, the same layout with ``mask_token_id`` and
   ``mask_hidden``) in the three formats.
 - ``dflash``: a DFlash draft, in the one layout vLLM and SGLang load, or speculators'.
-- ``directory``: a draft directory of either family -- which one its config.json holds, and
-  reading, writing and checking it through that family's module (``export --check``).
+- ``gguf``: llama.cpp's GGUF file of an EAGLE-3 or a DFlash draft.
+- ``layout``: what a layout is to the dispatch (``DraftLayout``, ``Found``).
+- ``directory``: a draft of any family -- ``LAYOUTS``, the one registry of layouts, each
+  recognising only its own drafts; reading, writing and checking a draft through the layout
+  that recognises it (``export --check``), and refusing a path none recognises.
 - ``kinds``: the three formats (``DraftFormat``), their architecture names, the verifier.
 - ``config``: the ``export`` config section (``python -m eagleforge.export``).
 """
