@@ -184,3 +184,18 @@ def test_a_directory_two_layouts_would_read_is_refused_not_guessed(tmp_path: Pat
     (problem,) = check_draft(path)
     assert problem.startswith(f"{path}: config.json with architectures ['LlamaForCausalLMEagle3']")
     assert "reads as EAGLE-3 (" in problem and "and as DFlash (" in problem
+
+
+def test_a_draft_whose_config_lacks_a_field_reads_as_one_line(tmp_path: Path) -> None:
+    """evaluate reads a draft's taps before checking it: a missing field is named, not a
+    KeyError's traceback."""
+    path = _draft_dir(tmp_path)
+    _edit_config(path, lambda c: c.pop("intermediate_size"))
+    for read in (read_draft, read_architecture):
+        with pytest.raises(CheckpointError) as refused:
+            read(path)
+        assert str(refused.value) == (
+            f"{path}: config.json of an EAGLE-3 draft that does not read (no "
+            f"'intermediate_size'); python -m eagleforge.export --check {path} lists its problems"
+        )
+    assert check_draft(path) == ["config.json has no integer 'intermediate_size'"]

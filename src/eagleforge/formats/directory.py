@@ -97,11 +97,11 @@ def read_draft(
 ) -> tuple[DraftFormat, AnyArchitecture, dict[str, torch.Tensor]]:
     """A draft of any family in any layout: its format, architecture and tensors (eagleforge
     names). A DFlash draft reads as vllm (the layout vLLM and SGLang load) or speculators."""
-    identified = _identify(path)
-    if isinstance(identified, str):
-        raise CheckpointError(f"{path}: {identified}")
-    layout, found = identified
-    return layout.read(found)
+    layout, found = _readable(path)
+    try:
+        return layout.read(found)
+    except (KeyError, TypeError) as e:
+        raise _config_error(path, layout, e) from None
 
 
 def load_draft_dir(
@@ -115,11 +115,30 @@ def load_draft_dir(
 def read_architecture(path: str | Path) -> AnyArchitecture:
     """The architecture of a draft of any family, from its config.json alone (a GGUF draft:
     from its file)."""
+    layout, found = _readable(path)
+    try:
+        return layout.architecture_of(found)
+    except (KeyError, TypeError) as e:
+        raise _config_error(path, layout, e) from None
+
+
+def _readable(path: str | Path) -> tuple[DraftLayout, Found]:
+    """The layout that recognises ``path`` and what it found there; CheckpointError naming
+    what keeps it from being read."""
     identified = _identify(path)
     if isinstance(identified, str):
         raise CheckpointError(f"{path}: {identified}")
-    layout, found = identified
-    return layout.architecture_of(found)
+    return identified
+
+
+def _config_error(path: str | Path, layout: DraftLayout, error: Exception) -> CheckpointError:
+    """A config.json that is recognised but lacks or mistypes a field the architecture needs
+    (read before checked, as evaluate reads its draft's taps)."""
+    missing = f"no {error}" if isinstance(error, KeyError) else unreadable_reason(error)
+    return CheckpointError(
+        f"{path}: config.json of {article(layout.title)} draft that does not read ({missing}); "
+        f"python -m eagleforge.export --check {path} lists its problems"
+    )
 
 
 def layout_for(arch: AnyArchitecture, fmt: DraftFormat) -> DraftLayout:

@@ -347,9 +347,13 @@ def _inspect(
             f"['{fmt.architecture}'] (a plain LlamaForCausalLM is loaded as a normal model)"
         )
     layer = llama_fields(config)
-    for key in ("hidden_size", "vocab_size", "num_attention_heads"):
+    # every field architecture_of reads without a default
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "vocab_size"):  # fmt: skip
         if not isinstance(layer.get(key), int):
             problems.append(f"config.json has no integer '{key}'")
+    if not isinstance(layer.get("rms_norm_eps"), (int, float)):
+        problems.append("config.json has no number 'rms_norm_eps'")
     if not isinstance(config.get("draft_vocab_size"), int):
         problems.append("config.json has no integer 'draft_vocab_size'")
     if layer.get("tie_word_embeddings"):
