@@ -154,7 +154,9 @@ def export(cfg: ExportConfig) -> Path:
     if problems:
         raise ConfigError(f"{source}: cannot export it: {'; '.join(problems)}.")
     _, arch, tensors = read_draft(source)
-    layout_for(arch, cfg.format)  # a format no engine serves this draft in: before its inputs
+    # a format the draft's family has no layout in is refused before that format's own
+    # settings (export.target_gguf, export.verifier) are asked for
+    layout_for(arch, cfg.format)
     if cfg.dtype != ExportDType.keep:
         dtype = getattr(torch, cfg.dtype.value)
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
