@@ -191,7 +191,7 @@ def test_two_ranks_killed_with_sigkill_resume_bit_identical(tmp_path: Path) -> N
 
 
 # Slow (test-all): make test resumes a DFlash run bit for bit in one process
-# (tests/integration/test_dflash_runs.py); here the anchors' per-rank RNG goes through FSDP2.
+# (tests/integration/test_family_contract.py); here the anchors' per-rank RNG goes through FSDP2.
 @pytest.mark.slow
 def test_dflash_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     """draft=dflash sharded over 2 ranks: training moves the weights, every rank logs the same
