@@ -154,11 +154,19 @@ class LockRunDir(Callback):
     ``.hydra/`` and log file, so a second run into the same directory changes nothing of the
     first's; it prints one line naming the holder and exits with status 2. Under torchrun only
     rank 0 takes it (the ranks of one run share the directory); commands without a run
-    directory of their own (``hydra.output_subdir: null``) take none.
+    directory of their own (``hydra.output_subdir: null``) take none. It also keeps what
+    ``.hydra/`` says before Hydra rewrites it -- the run's, or every job's of a sweep -- for
+    ``restore_run_records``; the jobs of a submitit sweep get it with this callback, which
+    travels to their processes.
     """
 
     def __init__(self) -> None:
         self._key = ""
+        self._records: tuple[str, dict[str, dict[str, bytes]]] | None = None
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        if self._records is not None:  # in a submitit job's own process too
+            _RECORDS[self._records[0]] = self._records[1]
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         self._take(config, config.hydra.run.dir, "hydra.run.dir")
@@ -188,31 +196,49 @@ class LockRunDir(Callback):
         except RunLocked as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
-        # what .hydra/ says of the run so far, before Hydra rewrites it for this one
-        record = output / str(config.hydra.output_subdir)
-        _RECORDS[str(record)] = {
-            p.name: p.read_bytes() for p in record.glob("*.yaml") if p.is_file()
-        }
+        # what .hydra/ says of the run (each job of the sweep) so far, before Hydra rewrites it
+        subdir = str(config.hydra.output_subdir)
+        records = [output / subdir] if field == "hydra.run.dir" else output.rglob(subdir)
+        root = os.path.abspath(output)
+        self._records = (root, {os.path.abspath(r): _yaml_files(r) for r in records})
+        _RECORDS[root] = self._records[1]
 
     def _drop(self) -> None:
         if self._key in _HELD:
             release(_HELD.pop(self._key))
 
 
-# .hydra/ of each run directory as it was when this process took the directory (LockRunDir)
-_RECORDS: dict[str, dict[str, bytes]] = {}
+# What LockRunDir found, by the run or sweep directory it took: each .hydra/ under it (by
+# absolute path) with its YAML files. One absent was new to this command.
+_RECORDS: dict[str, dict[str, dict[str, bytes]]] = {}
+
+
+def _yaml_files(record: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in record.glob("*.yaml") if p.is_file()}
 
 
 def restore_run_records() -> None:
-    """Put back the ``.hydra/`` files Hydra rewrote for a run that then did not run (a refused
-    resume): the directory records the config that ran, not one that was refused. A directory
-    new to this command loses the files Hydra wrote."""
-    for directory, files in _RECORDS.items():
-        for path in Path(directory).glob("*.yaml"):
-            if path.name not in files:
-                path.unlink(missing_ok=True)
-        for name, data in files.items():
-            (Path(directory) / name).write_bytes(data)
+    """Put back the ``.hydra/`` files Hydra rewrote for this run, or this job of a sweep, that
+    then did not run (a refused resume): the directory records the config that ran, not one
+    that was refused. A directory new to this command loses the files Hydra wrote. Nothing
+    outside a Hydra run, or where ``LockRunDir`` took no directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.output_subdir is None:
+        return
+    record = os.path.abspath(Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir)
+    for root, found in _RECORDS.items():
+        if Path(record).is_relative_to(root):
+            files = found.get(record, {})
+            for path in Path(record).glob("*.yaml"):
+                if path.name not in files:
+                    path.unlink(missing_ok=True)
+            for name, data in files.items():
+                (Path(record) / name).write_bytes(data)
+            return
 
 
 def run_dir_problem(config: Any, directory: str, field: str) -> str | None:

@@ -14,18 +14,22 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from eagleforge.atomic import atomic_file
 from eagleforge.builder import build
 from eagleforge.config import (
     EagleForgeConfig,
@@ -42,6 +46,7 @@ from eagleforge.parallel.launch import is_main_process
 from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.profiling import StepProfiler
 from eagleforge.speculative.report import plot_learning_curve
+from eagleforge.sweep_report import planned_jobs
 from eagleforge.targets.base import release
 from eagleforge.tracking import (
     MLflowTracker,
@@ -244,9 +249,11 @@ def _exit_status(result: TrainResult) -> int:
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
     """One run, or one job of a sweep (-m). A failure is recorded in MLflow; a user error
-    prints one line. In a sweep the error is raised instead of exiting: Hydra's launchers
-    record it as this job's failure, run the remaining jobs and end the multirun with status
-    1, where sys.exit would stop the whole sweep here."""
+    prints one line, its traceback going to the run's log file. In a sweep that line waits for
+    the sweep's end (``SweepFailures``) and the job returns: Hydra's launchers would raise the
+    first failed job's error with its traceback at the end, and sys.exit would stop the whole
+    sweep here. A refused resume (``ResumeRefused``) leaves the run's record as it was: its
+    ``.hydra/`` put back, no MLflow run marked failed."""
     is_main = is_main_process()  # exports a submitit job's RANK/WORLD_SIZE before typing
     try:
         result = run(cfg)
@@ -265,9 +272,12 @@ def _hydra_main(cfg: DictConfig) -> None:
             sys.exit(128 + signal.SIGINT)
         if not isinstance(e, EagleForgeError):
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        log_to_file(e)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise
+            if is_main:
+                record_job_failure(e)
+            return
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     if result.preempted_by is not None:
         record_stop(result.preempted_by, cfg, is_main=is_main)
@@ -276,6 +286,86 @@ def _hydra_main(cfg: DictConfig) -> None:
         # saved: now the launcher's own handler (submitit's requeues the job), then exit
         StopSignals.hand_on(result.preempted_by)
         sys.exit(_exit_status(result))
+
+
+def log_to_file(error: BaseException) -> None:
+    """``error`` with its traceback into the run's log file (Hydra's ``<run dir>/train.log``)
+    only: the console gets its one line."""
+    record = log.makeRecord(
+        log.name,
+        logging.ERROR,
+        __file__,
+        0,
+        "ended by %s: %s",
+        (type(error).__name__, error),
+        (type(error), error, error.__traceback__),
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+# Under a sweep's directory: one JSON file per job of the current command that a user error
+# ended ({"job": n, "overrides": [...], "error": "..."}), named at the sweep's end.
+FAILED_JOBS = ".failed_jobs"
+
+
+def record_job_failure(error: EagleForgeError) -> None:
+    """This sweep job's user error, for ``SweepFailures`` to name at the end (where the jobs
+    run in other processes, under submitit, only the sweep's directory is shared). Where it
+    cannot be written the line is printed now, into the job's own output."""
+    hydra_cfg = HydraConfig.get()
+    record = {
+        "job": int(hydra_cfg.job.num),
+        "overrides": [str(o) for o in hydra_cfg.overrides.task],
+        "error": str(error),
+    }
+    path = Path(hydra_cfg.sweep.dir) / FAILED_JOBS / f"{record['job']}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(record) + "\n")
+    except OSError as e:
+        log.warning("could not record the failure in %s (%s)", path, e)
+        print(f"error: {job_failure_line(record, None)}", file=sys.stderr, flush=True)
+
+
+def job_failure_line(record: dict[str, Any], planned: list[list[str]] | None) -> str:
+    """``job 0 (optimizer.lr=-1): <error>``: the job by its number and the settings that tell
+    it from the sweep's other ``planned`` jobs (all its overrides where they are unknown)."""
+    settings = [dict(o.split("=", 1) for o in job if "=" in o) for job in planned or []]
+    varying = {k for s in settings for k in s if len({t.get(k) for t in settings}) > 1}
+    overrides = record["overrides"]
+    named = [o for o in overrides if o.split("=", 1)[0] in varying] or overrides
+    return f"job {record['job']} ({' '.join(named)}): {record['error']}"
+
+
+class SweepFailures(Callback):
+    """Hydra callback (``hydra.callbacks.sweep_failures`` in ``conf/config.yaml``): a sweep in
+    which user errors ended jobs ends, once every job has run, with one line per such job
+    (``job_failure_line``, its traceback in the job's train.log) and exit status 1.
+
+    Listed after ``run_dir_lock``: it clears the records of an earlier command only once this
+    one holds the sweep directory, and at the end it runs first (Hydra ends callbacks in
+    reverse); its exit skips the others' ends, and the lock goes with the process."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        shutil.rmtree(Path(config.hydra.sweep.dir) / FAILED_JOBS, ignore_errors=True)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        records = []
+        for path in (sweep_dir / FAILED_JOBS).glob("*.json"):
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # not one of these records: atomic_file leaves none torn
+        if not records:
+            return
+        planned = planned_jobs(sweep_dir)
+        for record in sorted(records, key=lambda r: int(r["job"])):
+            print(f"error: {job_failure_line(record, planned)}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def main() -> None:

@@ -59,7 +59,17 @@ def runs_by_job(tmp_path: Path) -> dict[str, list]:  # type: ignore[type-arg]
     return by_job
 
 
+def _errors(done: subprocess.CompletedProcess[str]) -> list[str]:
+    """The sweep's console lines that name an error; no traceback anywhere on it."""
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
+
+
 def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """A job whose config is refused: the other job trains, and the sweep ends with one line
+    naming the failed job and its error (the traceback in the job's train.log) and status 1.
+    Run again with a setting that defines the trained job's run, that job's resume is refused
+    too, and leaves its .hydra/ and MLflow run as they were."""
     done = subprocess.run(
         sweep(tmp_path, "trainer.max_num_steps=2", "optimizer.lr=-1,1e-3"),
         cwd=REPO,
@@ -68,7 +78,9 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 1, done.stderr[-3000:]
-    assert "error: optimizer.lr must be > 0, got -1.0." in done.stderr
+    assert _errors(done) == ["error: job 0 (optimizer.lr=-1): optimizer.lr must be > 0, got -1.0."]
+    log = (tmp_path / "sweep" / "0" / "train.log").read_text()
+    assert "Traceback" in log and "ConfigError: optimizer.lr must be > 0, got -1.0." in log
     summary = json.loads((tmp_path / "sweep" / "1" / "summary.json").read_text())
     assert summary["step"] == 2
     assert (tmp_path / "sweep" / "0" / ".hydra" / "overrides.yaml").is_file()
@@ -86,6 +98,22 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     assert "optimizer.lr=0.001" in finished.data.tags["overrides"]
     assert finished.data.params["optimizer.lr"] == "0.001"
     assert "train/loss" in finished.data.metrics
+
+    trained = tmp_path / "sweep" / "1" / ".hydra"
+    record = {p.name: p.read_bytes() for p in trained.iterdir()}
+    again = subprocess.run(
+        sweep(tmp_path, "trainer.max_num_steps=4", "draft.ttt_length=3", "optimizer.lr=-1,1e-3"),
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 1, again.stderr[-3000:]
+    first, second = _errors(again)
+    assert first == "error: job 0 (optimizer.lr=-1): optimizer.lr must be > 0, got -1.0."
+    assert second.startswith("error: job 1 (optimizer.lr=0.001): ") and (
+        "trained with other settings (draft.ttt_length: 2 -> 3)" in second
+    )
+    assert {p.name: p.read_bytes() for p in trained.iterdir()} == record
+    (run,) = runs_by_job(tmp_path)["1"]
+    assert (run.info.run_id, run.info.status) == (finished.info.run_id, "FINISHED")
 
 
 def _children(pid: int) -> list[int]:

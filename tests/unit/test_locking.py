@@ -149,3 +149,56 @@ def test_regenerate_into_an_output_in_use_refuses(tmp_path: Path) -> None:
     ):
         regenerate(config, generate)  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == [beside(output).name]
+
+
+def test_a_sweep_jobs_refused_resume_puts_back_its_own_record_in_the_jobs_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LockRunDir keeps every job's .hydra/ of a sweep as it found it and takes it along to the
+    job's own process (submitit pickles it with the launcher): a job whose resume is refused
+    puts back its own .hydra/, not the other jobs', and one new to the sweep loses what Hydra
+    wrote into it."""
+    import copy
+    import pickle
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from eagleforge import locking
+    from eagleforge.config import conf_dir, register_configs
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr={job}\n")
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=["+model=tiny", f"output_root={tmp_path}",
+                                           f"hydra.sweep.dir={sweep}"], return_hydra_config=True)  # fmt: skip
+    with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
+    callback = locking.LockRunDir()
+    callback.on_multirun_start(cfg)
+    try:
+        in_job = pickle.loads(pickle.dumps(callback))
+        monkeypatch.setattr(locking, "_RECORDS", {})  # the job's process knows nothing else
+        in_job.on_job_start(cfg)
+        for job in ("0", "1", "2"):  # Hydra writes each job's record for this command
+            (sweep / job / ".hydra").mkdir(parents=True, exist_ok=True)
+            (sweep / job / ".hydra" / "overrides.yaml").write_text("- the refused command\n")
+            (sweep / job / ".hydra" / "config.yaml").write_text("a: 1\n")
+        for job in ("1", "2"):
+            job_cfg = copy.deepcopy(cfg)  # set_config makes it read-only
+            with open_dict(job_cfg):
+                job_cfg.hydra.runtime.output_dir = str(sweep / job)
+            HydraConfig.instance().set_config(job_cfg)
+            locking.restore_run_records()
+    finally:
+        callback.on_multirun_end(cfg)
+        HydraConfig.instance().cfg = None  # type: ignore[assignment]
+    assert (sweep / "1" / ".hydra" / "overrides.yaml").read_text() == "- optimizer.lr=1\n"
+    assert sorted(p.name for p in (sweep / "1" / ".hydra").iterdir()) == ["overrides.yaml"]
+    assert list((sweep / "2" / ".hydra").iterdir()) == []
+    assert (sweep / "0" / ".hydra" / "overrides.yaml").read_text() == "- the refused command\n"

@@ -111,3 +111,45 @@ def test_the_summary_of_a_stopped_run_says_where_it_stopped(tmp_path: Path) -> N
         train.write_summary(TrainResult(step=351), tmp_path / "s.json", 351).read_text()
     )
     assert done["stopped_by"] is None
+
+
+def test_a_sweep_job_ended_by_a_user_error_is_named_in_one_line_at_the_sweeps_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The job returns (raised, Hydra would end the sweep with its traceback) and says nothing
+    yet; its record in the sweep directory -- all a submitit job shares with the sweep's
+    process -- becomes one line at the end, and status 1. The next command of the sweep starts
+    with no record of this one's failures."""
+    from eagleforge.errors import ConfigError
+
+    cfg = hydra_job(tmp_path, RunMode.MULTIRUN, "optimizer.lr=-1")
+
+    def refused(_: Any) -> TrainResult:
+        raise ConfigError("optimizer.lr must be > 0, got -1.0.")
+
+    monkeypatch.setattr(train, "run", refused)
+    monkeypatch.setattr(train, "record_failure", lambda *_, **__: None)
+    callback = train.SweepFailures()
+    callback.on_multirun_start(cfg)
+    train._hydra_main(cfg)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as end:
+        callback.on_multirun_end(cfg)
+    assert end.value.code == 1
+    assert capsys.readouterr().err == (
+        f"error: job 0 (+model=tiny output_root={tmp_path} optimizer.lr=-1): optimizer.lr must "
+        "be > 0, got -1.0.\n"
+    )
+    callback.on_multirun_start(cfg)
+    callback.on_multirun_end(cfg)  # nothing failed in this command: no line, no exit
+
+
+def test_a_failed_job_is_named_by_what_the_sweep_varies() -> None:
+    planned = [["+model=tiny", "optimizer.lr=-1", "seed=0"], ["+model=tiny", "optimizer.lr=1e-3"]]
+    record = {"job": 0, "overrides": planned[0], "error": "optimizer.lr must be > 0."}
+    assert train.job_failure_line(record, planned) == (
+        "job 0 (optimizer.lr=-1 seed=0): optimizer.lr must be > 0."
+    )
+    assert train.job_failure_line(record, None) == (
+        "job 0 (+model=tiny optimizer.lr=-1 seed=0): optimizer.lr must be > 0."
+    )
