@@ -445,3 +445,64 @@ def test_a_target_edited_on_disk_is_refused_on_resume(tmp_path: Path) -> None:
         "run.json records the target's weights (identity.target_weights) by the sampled " in message
     )
     assert f"model.draft_init={step_3}" in message
+
+
+def _mlflow_runs(store: Path) -> list[tuple[str, str]]:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{store}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return sorted((r.info.run_id, r.info.status) for r in client.search_runs(experiments))
+
+
+def test_every_refusal_of_a_resume_leaves_the_runs_record_and_mlflow_as_they_were(
+    tmp_path: Path,
+) -> None:
+    """From the command line, each kind of refused resume -- a damaged checkpoint, one of a
+    newer format, other inputs (run.json's identity), a changed setting -- prints one line,
+    exits 2, and leaves the run's .hydra/ and the MLflow store as they were: no FAILED run,
+    no overrides rewritten with the refused command."""
+    from eagleforge.checkpoint import RUN_RECORD
+
+    run_dir = tmp_path / "cli"
+    args = [*tiny_run_overrides(tmp_path, "trainer.max_num_steps=2", "tracker=mlflow",
+                                "draft.ttt_length=3", name=None), f"hydra.run.dir={run_dir}"]  # fmt: skip
+    command = [sys.executable, "-m", "eagleforge.train", *args]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    step_2 = run_dir / "checkpoints" / "step_00000002"
+    saved = {p: p.read_bytes() for p in step_2.iterdir()}
+    record = json.loads((step_2 / RUN_RECORD).read_text())
+    before = {p: p.read_bytes() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "mlflow_run.json"]}  # fmt: skip
+    runs_before = _mlflow_runs(tmp_path / "mlflow.db")
+    assert [status for _, status in runs_before] == ["FINISHED"]
+
+    def rewrite_record(**changes: object) -> None:
+        (step_2 / RUN_RECORD).write_text(json.dumps({**record, **changes}))
+        record_checksums(step_2)  # the checksums agree: only what run.json says is refused
+
+    def flip_a_weight() -> None:
+        data = bytearray((step_2 / "model.safetensors").read_bytes())
+        data[-1] ^= 0x01
+        (step_2 / "model.safetensors").write_bytes(bytes(data))
+
+    kinds = [
+        (flip_a_weight, [], "every checkpoint is damaged (step_00000002: model.safetensors"),
+        (lambda: rewrite_record(version=record["version"] + 1), [], "written by a newer"),
+        (lambda: rewrite_record(identity={**record["identity"], "data": "other/train"}), [],
+         "trained on other inputs: the training data"),
+        (lambda: None, ["draft.ttt_length=2"], "other settings (draft.ttt_length: 3 -> 2)"),
+    ]  # fmt: skip
+    for tamper, extra, said in kinds:
+        tamper()
+        refused = subprocess.run([*command, "trainer.max_num_steps=4", *extra],
+                                 capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and said in errors[0], refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr + refused.stdout
+        assert {p: p.read_bytes() for p in before} == before, said
+        assert _mlflow_runs(tmp_path / "mlflow.db") == runs_before, said
+        for path, data in saved.items():  # the checkpoint as saved, for the next kind
+            path.write_bytes(data)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002"]
