@@ -132,6 +132,9 @@ format: $(STAMP) ## Apply ruff formatting and fixes
 	$(VENV)/bin/ruff check --fix src tests benchmarks scripts
 
 TTT_STEP := $(OFFLINE) $(PY) benchmarks/ttt_step.py --ttt-length 7 --steps 5 --dtype float32 --attention sdpa --json
+# `make bench FINGERPRINT_GB=16` also fingerprints 16 GB of synthetic weights (written to the
+# temp dir, then deleted; docs/training.md#the-targets-weights-fingerprint)
+FINGERPRINT_GB ?=
 bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
 	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 512
 	$(TTT_STEP) --hidden-size 256 --intermediate-size 896 --heads 4 --kv-heads 1 --vocab 32000 --draft-vocab 8000 --seq-len 2048
@@ -142,6 +145,7 @@ bench: $(STAMP) ## Run the benchmarks in benchmarks/ (tables + JSON lines)
 	$(OFFLINE) $(PY) benchmarks/target_forward.py --batch 4 --seq-len 512 --json
 	$(OFFLINE) $(PY) benchmarks/decode.py --prompts 4 --max-new-tokens 64 --json
 	$(OFFLINE) $(PY) benchmarks/regenerate.py --prompts 64 --batch-sizes 1,64 --json
+	$(OFFLINE) $(PY) benchmarks/fingerprint.py --json $(if $(FINGERPRINT_GB),--synthetic-gb $(FINGERPRINT_GB))
 
 # The shared tracking server: the store of local runs (outputs/mlflow.db) served over HTTP.
 MLFLOW_HOST ?= 127.0.0.1
