@@ -27,12 +27,11 @@ MLflow run marked KILLED.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import shutil
-import signal
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from eagleforge.config import (
     EagleForgeConfig,
@@ -50,14 +48,19 @@ from eagleforge.config import (
     to_typed,
 )
 from eagleforge.draft.family import AnyDraft
-from eagleforge.engine.server import stop_on_signals
-from eagleforge.errors import ConfigError, Stopped, exit_on_user_error
+from eagleforge.errors import (
+    ConfigError,
+    exit_on_user_error,
+    stop_on_signals,
+    stopped_in_one_line,
+)
 from eagleforge.export import export
 from eagleforge.families import family_of
 from eagleforge.formats.directory import load_checked_draft, read_architecture
 from eagleforge.judges import Judge, build_judge
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
+from eagleforge.progress import Progress, quiet_library_bars
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.speculative.decoder import (
     DecodeResult,
@@ -183,7 +186,7 @@ def evaluate_draft(
     # a CPU evaluation runs for minutes: show prompts done and the speculative tokens/s
     desc = f"evaluate {label or Path(name).name}"
     # closed however decoding ends: a stopped evaluation's last line is its own message
-    with tqdm(total=len(prompts.items), desc=desc, unit="prompt") as bar:
+    with Progress(len(prompts.items), desc, "prompt") as bar:
         new_tokens, seconds = 0, 0.0
         for index, item in enumerate(prompts.items):
             messages: list[dict[str, Any]] = list(item.context)
@@ -471,7 +474,7 @@ def run(cfg: DictConfig) -> list[Summary]:
     return summaries
 
 
-def stopped_line(cfg: DictConfig, how: str) -> str:
+def stop_line(cfg: DictConfig, how: str) -> str:
     """What a stopped evaluation prints: that it did not finish, where its MLflow run and its
     finished results are, and what to run to go on (evaluate does not resume: it starts over)."""
     kind = OmegaConf.select(cfg, "tracker.kind", default=None)
@@ -487,20 +490,15 @@ def stopped_line(cfg: DictConfig, how: str) -> str:
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="config")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
-    """One evaluation; SIGTERM (SLURM's preemption, scancel) or Ctrl-C ends it in one line,
-    its MLflow run marked KILLED, with status 128 + the signal."""
-    try:
-        with stop_on_signals():
-            run(cfg)
-    except Stopped as stop:
-        print(stopped_line(cfg, f"stopped by {stop.signal_name}"), file=sys.stderr, flush=True)
-        raise
-    except KeyboardInterrupt:
-        print(stopped_line(cfg, "interrupted (Ctrl-C)"), file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGINT)
+    """One evaluation; SIGTERM (SLURM's preemption, scancel), SIGHUP or Ctrl-C -- during its
+    last MLflow write too -- ends it in one line, its MLflow run marked KILLED, with status
+    128 + the signal."""
+    with stopped_in_one_line(functools.partial(stop_line, cfg)):
+        run(cfg)
 
 
 def main() -> None:
+    quiet_library_bars()
     register_configs()
     check_cli_overrides()
     _hydra_main()

@@ -11,6 +11,7 @@ captures every WORLD_SIZE-th shard. See docs/offline.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -25,7 +26,6 @@ from typing import Any, NamedTuple
 import hydra
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from eagleforge.batch import IMAGE_KEYS
 from eagleforge.config import (
@@ -40,16 +40,24 @@ from eagleforge.data.features import (
     Compression,
     Manifest,
     expected_manifest,
+    read_sidecar,
     shard_complete,
     write_shard,
 )
 from eagleforge.data.preprocess import TokenizedDataset
 from eagleforge.data.split import build_datasets
-from eagleforge.engine.server import engine_python, stop_on_signals
-from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.engine.server import engine_python
+from eagleforge.errors import (
+    ConfigError,
+    EagleForgeError,
+    exit_on_user_error,
+    stop_on_signals,
+    stopped_in_one_line,
+)
 from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
+from eagleforge.progress import Progress, quiet_library_bars
 from eagleforge.targets.base import TargetBackend, TargetOutput, release
 from eagleforge.targets.config import TargetBackendKind
 from eagleforge.targets.registry import build_target
@@ -111,7 +119,7 @@ def capture_split(
         processor.image_processor if processor is not None else None,
         processor.image_token_id if processor is not None else None,
     )
-    bar = tqdm(total=tokens, desc=f"capture {store.name}", unit="tok", unit_scale=True)
+    bar = Progress(tokens, f"capture {store.name}", "tok", unit_scale=True)
     chunks: list[tuple[int, list[int]]] = []  # (shard, the indices of one forward)
     for shard in todo:
         indices = list(range(shard * per_shard, min((shard + 1) * per_shard, len(dataset))))
@@ -184,8 +192,13 @@ def _in_order(
             pending = sent
         if pending is not None:
             yield pending.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:
+        # a stop or an error: the request in flight is not waited for (an engine that hangs
+        # would hold the stop for vllm.request_timeout_s); release() stops the engine, which
+        # ends it, and its states were never to be written
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def run(config: EagleForgeConfig) -> Path:
@@ -358,15 +371,47 @@ def _capture(
     return out
 
 
+def stop_line(output_dir: str | None, how: str) -> str:
+    """What a stopped capture prints: each split's whole shards on disk, which are kept, and
+    that the same command captures the rest (it goes on with the first missing shard)."""
+    if not output_dir:
+        return f"{how}: prepare stopped before it wrote anything."
+    out = Path(output_dir)
+    splits = []
+    for store in sorted(p.parent for p in out.glob("*/manifest.json")):
+        try:
+            manifest = Manifest.read(store)
+        except EagleForgeError:  # unreadable: the rerun says so
+            continue
+        done = [s for s in range(manifest.num_shards) if shard_complete(store, s)]
+        samples = sum(int(read_sidecar(store, s)["samples"]) for s in done)
+        splits.append(
+            f"{store.name} {len(done)} of {manifest.num_shards} shards ({samples:,} samples)"
+        )
+    if not splits:
+        return (
+            f"{how}: prepare stopped before it wrote a shard into {out}; run the same command "
+            "again to start the capture."
+        )
+    return (
+        f"{how}: prepare stopped before its end; the whole shards in {out} are kept "
+        f"({', '.join(splits)}); run the same command again to capture the rest."
+    )
+
+
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
+    """One capture; SIGTERM, SIGHUP or Ctrl-C end it in one line (the shards on disk are
+    whole and kept), its engine stopped, with status 128 + the signal."""
     config = to_typed(cfg)
     check_outputs(config, {"prepare.output_dir": config.prepare.output_dir})
-    run(config)
+    with stopped_in_one_line(functools.partial(stop_line, config.prepare.output_dir)):
+        run(config)
 
 
 def main() -> None:
+    quiet_library_bars()
     register_configs()
     check_cli_overrides()
     _hydra_main()

@@ -27,7 +27,6 @@ from typing import Any
 import hydra
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from eagleforge.config import (
     EagleForgeConfig,
@@ -37,11 +36,17 @@ from eagleforge.config import (
     to_typed,
 )
 from eagleforge.engine.client import SERVED_NAME, VLLMClient
-from eagleforge.engine.server import VLLMServer, engine_python, stop_on_signals
-from eagleforge.errors import ConfigError, exit_on_user_error
+from eagleforge.engine.server import VLLMServer, engine_python
+from eagleforge.errors import (
+    ConfigError,
+    exit_on_user_error,
+    stop_on_signals,
+    stopped_in_one_line,
+)
 from eagleforge.locking import beside, exclusive
 from eagleforge.parallel import resolve_device
 from eagleforge.preflight import check_inputs, check_outputs
+from eagleforge.progress import Progress, quiet_library_bars
 from eagleforge.regeneration.backends import (
     HFBackend,
     ServerBackend,
@@ -52,6 +57,7 @@ from eagleforge.regeneration.backends import (
 from eagleforge.regeneration.config import Backend, RegenerateConfig
 from eagleforge.regeneration.magpie import magpie_rows
 from eagleforge.regeneration.output import (
+    CHUNK_NAME,
     check_same_settings,
     chunk_path,
     finished_chunks,
@@ -135,12 +141,17 @@ def made_for(directory: Path) -> Iterator[None]:
         raise
 
 
+def chunks_dir_of(output: Path) -> Path:
+    """Where the finished chunks of the job writing ``output`` wait to be joined."""
+    return output.with_name(f"{output.name}.chunks")
+
+
 def run(config: EagleForgeConfig, generate: Generate | None = None) -> Summary:
     """Regenerate ``config.data`` into ``config.regenerate.output``, resuming finished chunks."""
     if not config.regenerate.output:
         raise ConfigError("regenerate.output is not set: give the jsonl file to write.")
     output = Path(config.regenerate.output)
-    chunks_dir = output.with_name(f"{output.name}.chunks")
+    chunks_dir = chunks_dir_of(output)
     with (
         made_for(output.parent),
         exclusive(beside(output), output=output, field="regenerate.output", remove=True),
@@ -208,7 +219,7 @@ def _run(
             check_same_settings(recorded, {"model": model}, chunks_dir)
         else:  # before the first chunk: every chunk on disk was made with these settings
             write_lines_atomically(settings_path, [json.dumps({**settings, "model": model})])
-        bar = tqdm(total=len(rows), initial=done_rows, unit="conv", desc="regenerate")
+        bar = Progress(len(rows), "regenerate", "conv", initial=done_rows)
         for span in todo:
             out, failures = regenerate_rows(rows[span[0] : span[1]], generate, cfg)
             # failures first: a chunk file is the mark that its failures are recorded too
@@ -252,19 +263,39 @@ def _run(
     return summary
 
 
+def stop_line(output: str | None, how: str) -> str:
+    """What a stopped job prints: the conversations whose chunks are on disk (whole, kept),
+    and that the same command goes on from there."""
+    if not output:
+        return f"{how}: regenerate stopped before it wrote anything."
+    chunks_dir = chunks_dir_of(Path(output))
+    spans = [CHUNK_NAME.match(path.name) for path in chunks_dir.glob("*.jsonl")]
+    done = sum(int(m.group(2)) - int(m.group(1)) for m in spans if m is not None)
+    return (
+        f"{how}: regenerate stopped before its end; {done:,} conversations are written, in "
+        f"chunks in {chunks_dir}, and kept; run the same command again to go on from there."
+    )
+
+
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")
 @exit_on_user_error
 def _hydra_main(cfg: DictConfig) -> None:
+    """One job; SIGTERM, SIGHUP or Ctrl-C end it in one line (the finished chunks are whole
+    and kept), its engine stopped, with status 128 + the signal."""
     config = to_typed(cfg)
-    # the server backend only talks to a server; the hf backend loads the target here; with
-    # Magpie the target writes the prompts, and no data is read
-    regen = config.regenerate
-    local = regen.backend == Backend.hf or (regen.backend == Backend.vllm and not config.vllm.url)
-    check_inputs(config, model=local, data=not regen.magpie.num_prompts)
-    check_outputs(config, {"regenerate.output": regen.output}, cache=local)
-    if regen.backend == Backend.vllm and not config.vllm.url:
-        engine_python(config.vllm)  # a missing engine costs a line, before any data is read
-    summary = run(config)
+    with stopped_in_one_line(functools.partial(stop_line, config.regenerate.output)):
+        # the server backend only talks to a server; the hf backend loads the target here;
+        # with Magpie the target writes the prompts, and no data is read
+        regen = config.regenerate
+        local = regen.backend == Backend.hf or (
+            regen.backend == Backend.vllm and not config.vllm.url
+        )
+        check_inputs(config, model=local, data=not regen.magpie.num_prompts)
+        check_outputs(config, {"regenerate.output": regen.output}, cache=local)
+        if regen.backend == Backend.vllm and not config.vllm.url:
+            # a missing engine costs a line, before any data is read
+            engine_python(config.vllm, url_accepted=True)
+        summary = run(config)
     print(
         f"{summary.written} conversations written to {config.regenerate.output} "
         f"({summary.rows_per_s:.2f} conversations/s; {summary.failed} failed, "
@@ -276,6 +307,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    quiet_library_bars()
     register_configs()
     check_cli_overrides()
     _hydra_main()

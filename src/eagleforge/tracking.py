@@ -502,6 +502,7 @@ class MLflowTracker:
         )
         self.close_timeout_s = close_timeout_s
         self.closed = False
+        self.stopped_by: int | None = None  # a signal that arrived while close wrote the end
         self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=queue_size)
         self._closing = threading.Event()
         self._state = threading.Lock()  # guards _in_flight and _abandoned
@@ -598,10 +599,29 @@ class MLflowTracker:
     def close(self, status: str = "FINISHED", tags: Mapping[str, str] | None = None) -> None:
         """Ends the run with ``status`` (and ``tags``). Waits for the sender as long as it gets
         entries through, and at most close_timeout_s for any one of them: what is not sent by
-        then is spooled, with one warning that says how to send it."""
+        then is spooled, with one warning that says how to send it.
+
+        Ctrl-C or a stop signal that arrives meanwhile is held until the end is written, then
+        handed to its handler; where that ends the command (KeyboardInterrupt, ``Stopped``, the
+        default action) the run is marked KILLED first, with the ``stopped_by`` tag."""
         if self.closed:
             return
         self.closed = True
+        signals = HeldSignals()
+        with signals:
+            self._end(status, tags)
+        signals.hand_on(lambda signum: self._stopped(signum, status))
+
+    def _stopped(self, signum: int, status: str) -> None:
+        self.stopped_by = signum
+        if status != "FINISHED" or not self.owns_run:  # FAILED, KILLED: it says so already
+            return
+        try:
+            self.amend({"stopped_by": signal.Signals(signum).name}, "KILLED")
+        except Exception as e:  # the stop goes on: the record of it is a courtesy
+            log.warning("could not mark the MLflow run stopped (%s: %s)", type(e).__name__, e)
+
+    def _end(self, status: str, tags: Mapping[str, str] | None) -> None:
         if tags:
             self._put({"kind": "tags", "tags": dict(tags)}, closing=True)
         if self.owns_run:
@@ -753,6 +773,55 @@ class MLflowTracker:
                     log.info("sent the entries spooled in %s", directory)
             except Exception as e:
                 log.info("could not send the entries spooled in %s (%s)", directory, e)
+
+
+class HeldSignals:
+    """While active (main thread only), Ctrl-C, SIGTERM and SIGHUP are recorded instead of
+    acted on, so that a run's last MLflow write completes: raised inside MLflow's SQLAlchemy
+    (in a finalizer, a pool callback), a KeyboardInterrupt is printed as "Exception ignored"
+    and lost, and the command goes on to exit 0 with its run FINISHED. A second Ctrl-C raises
+    at once. ``hand_on`` then gives the first signal to the handler it was meant for."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def _hold(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in self.held:
+            raise KeyboardInterrupt
+        self.held.append(signum)
+
+    def __enter__(self) -> HeldSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) not in (signal.SIG_IGN, None):  # None: set outside Python
+                    self._previous[sig] = signal.signal(sig, self._hold)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def hand_on(self, before_stop: Callable[[int], None]) -> None:
+        """The first held signal to its handler; ``before_stop(signum)`` runs first where the
+        signal ends the command: its default action, or a handler that raises (Ctrl-C's
+        KeyboardInterrupt, ``Stopped``). A handler that returns (submitit's, which logs a
+        SIGTERM) lets the command go on, as the signal would have."""
+        if not self.held:
+            return
+        signum = self.held[0]
+        handler = self._previous[signum]
+        if not callable(handler):  # SIG_DFL: the process ends by the signal
+            before_stop(signum)
+            signal.raise_signal(signum)
+            return
+        try:
+            handler(signum, None)
+        except BaseException:
+            before_stop(signum)
+            raise
 
 
 class NullTracker:
@@ -927,7 +996,8 @@ def record_failure(error: BaseException, cfg: DictConfig, *, is_main: bool = Tru
     status, tags = end_status(error)
     try:
         tracker = MLflowTracker.last
-        if tracker is None or tracker.closed:
+        # a run whose end a signal interrupted is marked already: no run of its own for the job
+        if tracker is None or (tracker.closed and tracker.stopped_by is None):
             tracker_cfg = OmegaConf.to_object(cfg.tracker)
             assert isinstance(tracker_cfg, TrackerConfig)
             server = tracker_cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or ""

@@ -45,6 +45,7 @@ from eagleforge.parallel.dist import World, distributed
 from eagleforge.parallel.launch import is_main_process
 from eagleforge.preflight import check_inputs, check_outputs
 from eagleforge.profiling import StepProfiler
+from eagleforge.progress import quiet_library_bars
 from eagleforge.speculative.report import plot_learning_curve
 from eagleforge.sweep_report import planned_jobs
 from eagleforge.targets.base import release
@@ -369,6 +370,7 @@ class SweepFailures(Callback):
 
 
 def main() -> None:
+    quiet_library_bars()
     register_configs()
     check_cli_overrides()
     _hydra_main()

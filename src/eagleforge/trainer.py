@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
-from tqdm.auto import tqdm
 
 from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, read_history, save_checkpoint
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
@@ -35,6 +34,7 @@ from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
 from eagleforge.profiling import ProfileConfig, StepProfiler, peak_memory_mib
+from eagleforge.progress import Progress
 from eagleforge.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -520,15 +520,11 @@ class Trainer:
             result.initial_eval = self._eval_and_log(result)
         batches = self.micro_batches()
         window, window_start = StepSums.zeros(self.num_positions), time.perf_counter()
-        bar = tqdm(
-            total=self.max_num_steps,
-            initial=self.step,
-            desc="train",
-            unit="step",
-            # None: shown on a terminal only, never redrawn into a SLURM log or a file
-            disable=None if cfg.progress_bar and self.world.is_main else True,
-            dynamic_ncols=True,
-        )
+        # a bar on a terminal only; in a SLURM log or a file the metric lines say how far it is
+        bar = Progress(
+            self.max_num_steps, "train", "step", initial=self.step,
+            shown=cfg.progress_bar and self.world.is_main, lines=False,
+        )  # fmt: skip
         while self.step < self.max_num_steps:
             sums, grad_norm, lr = self.train_step(
                 [next(batches) for _ in range(cfg.grad_accum_steps)]

@@ -1,10 +1,13 @@
 """Processes for the tests that kill them: a pid that has exited (what a killed writer's
-temporary names), and the live processes below a pid (to SIGKILL a whole launcher tree)."""
+temporary names), the live processes below a pid (to SIGKILL a whole launcher tree), and
+whether a pid is gone (an engine stopped with the command)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -30,3 +33,23 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier = children
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie is gone for our purpose)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def wait_gone(pid: int, seconds: float = 10.0) -> bool:
+    """Whether ``pid`` is gone within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False

@@ -71,12 +71,19 @@ def test_sampled_output_follows_the_targets_distribution(topk: int, total: int) 
 
 
 def test_evaluate_entry_point_writes_and_logs(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Train two checkpoints briefly, evaluate the directory: a table per draft, files, and
-    MLflow metrics and plots; greedy outputs equal the target's; a progress bar per draft."""
+    MLflow metrics and plots; greedy outputs equal the target's; the progress of each draft,
+    in plain lines since stderr is not a terminal here (no bar)."""
+    import logging
+
     import mlflow
 
+    from eagleforge import progress as progress_lines
     from eagleforge.evaluate import run as evaluate
     from eagleforge.train import run as train
 
@@ -94,6 +101,9 @@ def test_evaluate_entry_point_writes_and_logs(
             )
         )
     )
+    capfd.readouterr()  # training's output
+    monkeypatch.setattr(progress_lines, "LINE_EVERY_S", 0.0)  # a line at every prompt
+    caplog.set_level(logging.INFO, "eagleforge.progress")
     summaries = evaluate(
         compose_config(
             [
@@ -110,9 +120,10 @@ def test_evaluate_entry_point_writes_and_logs(
         )
     )
     assert [Path(s.draft).name for s in summaries] == ["step_00000002", "step_00000004"]
-    progress = capfd.readouterr().err
+    assert "evaluate step_" not in capfd.readouterr().err  # no bar drawn into a capture
+    progress = "\n".join(r.getMessage() for r in caplog.records if r.name == "eagleforge.progress")
     for step in ("step_00000002", "step_00000004"):
-        assert re.search(rf"evaluate {step}: 100%.*2/2 .*tok_s=\d", progress), progress
+        assert re.search(rf"evaluate {step}: 2/2 prompt \(100%\) .*tok_s=\d", progress), progress
     for summary in summaries:
         assert summary.greedy_matches_target is True
         assert summary.tau >= 1.0 and len(summary.acceptance_by_position) == 3

@@ -142,6 +142,24 @@ def test_hf_backend_in_process(tmp_path: Path) -> None:
         assert all(m["content"].strip() for m in row["messages"] if m["role"] == "assistant")
 
 
+def test_output_to_a_file_holds_no_progress_bar(tmp_path: Path) -> None:
+    """`python -m eagleforge.regenerate ... > log 2>&1`: no bar (its own, transformers',
+    datasets') is redrawn into the file; the lines that are there end with newlines."""
+    output, log = tmp_path / "regen.jsonl", tmp_path / "log"
+    tiny = ["+model=tiny" if o == "+model=smollm2" else o for o in overrides(
+        output, "regenerate.backend=hf", "regenerate.max_rows=2", "regenerate.max_new_tokens=4",
+        "parallel.device=cpu")]  # fmt: skip
+    with log.open("wb") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "eagleforge.regenerate", *tiny],
+            stdout=out, stderr=subprocess.STDOUT, timeout=600,
+        )  # fmt: skip
+    text = log.read_bytes().decode()
+    assert done.returncode == 0, text[-3000:]
+    assert "\r" not in text
+    assert text.splitlines()[-1].startswith(f"2 conversations written to {output}")
+
+
 def magpie_overrides(output: Path, *extra: str) -> list[str]:
     return overrides(output, "regenerate.backend=hf", "parallel.device=cpu",
                      "regenerate.batch_size=8", "regenerate.magpie.num_prompts=4",

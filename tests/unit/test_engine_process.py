@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,36 +16,11 @@ import pytest
 from eagleforge.engine.client import SpecCounters, parse_spec_counters
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.engine.server import EngineError, VLLMServer, engine_python, serve_command
+from eagleforge.errors import ConfigError
+from helpers.fake_vllm import fake_python
+from helpers.processes import alive, wait_gone
 
 pytestmark = pytest.mark.unit
-
-FAKE = Path(__file__).resolve().parents[1] / "helpers" / "fake_vllm.py"
-
-
-def fake_python(tmp_path: Path) -> Path:
-    """An "interpreter" that runs the stand-in server whatever module it is asked for."""
-    path = tmp_path / "python"
-    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
-    path.chmod(0o755)
-    return path
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")  # a zombie is gone for our purpose
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
-
-
-def wait_gone(pid: int, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_a_missing_environment_names_the_setting_and_make_vllm(
@@ -57,6 +31,27 @@ def test_a_missing_environment_names_the_setting_and_make_vllm(
         engine_python(VLLMConfig(python="/nowhere/python"))
     monkeypatch.setenv("EAGLEFORGE_VLLM_PYTHON", str(fake_python(tmp_path)))
     assert engine_python(VLLMConfig()) == tmp_path / "python"
+
+
+def test_the_advice_names_only_what_the_command_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The judge (evaluate, train) and target=vllm start engines of their own: their advice
+    is `make vllm` or vllm.python, never vllm.url, which they refuse; regenerate takes a
+    running server, and its advice says so."""
+    monkeypatch.delenv("EAGLEFORGE_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    missing = VLLMConfig(python="/nowhere/python")
+    with pytest.raises(EngineError) as starts_its_own:
+        engine_python(missing)
+    assert "vllm.url" not in str(starts_its_own.value)
+    assert "vllm.python (or $EAGLEFORGE_VLLM_PYTHON)" in str(starts_its_own.value)
+    with pytest.raises(EngineError, match=r"make vllm.*, or vllm.url to a running vLLM server"):
+        engine_python(missing, url_accepted=True)
+    server = VLLMConfig(python=str(fake_python(tmp_path)), url="http://127.0.0.1:8000")
+    with pytest.raises(ConfigError, match=r"^vllm.url=http://127.0.0.1:8000: .*unset vllm.url"):
+        engine_python(server)
+    assert engine_python(server, url_accepted=True) == tmp_path / "python"
 
 
 def test_the_command_binds_loopback_and_carries_the_draft(tmp_path: Path) -> None:
@@ -103,7 +98,8 @@ def test_sigterm_stops_the_engine_before_the_process_exits(tmp_path: Path) -> No
     script = f"""
 import sys
 from eagleforge.engine.config import VLLMConfig
-from eagleforge.engine.server import VLLMServer, stop_on_signals
+from eagleforge.engine.server import VLLMServer
+from eagleforge.errors import stop_on_signals
 with stop_on_signals(), VLLMServer(VLLMConfig(python={str(fake_python(tmp_path))!r}), "/m",
                                    {str(tmp_path / "vllm.log")!r}, "float32"):
     print("ready", flush=True)

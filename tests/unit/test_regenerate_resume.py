@@ -112,3 +112,20 @@ def test_settings_are_kept_beside_the_output(tmp_path: Path) -> None:
     settings = json.loads(output.with_name("regen.jsonl.settings.json").read_text())
     assert settings["temperature"] == 0.5 and settings["model"] == "target-a"
     assert settings["source"]["rows"] == NUM_ROWS
+
+
+def test_a_stopped_job_says_how_many_conversations_it_kept(tmp_path: Path) -> None:
+    """The line a stop signal or Ctrl-C ends a job with counts the rows of its chunks on disk
+    (not their failures' files) and says that the same command goes on."""
+    from eagleforge.regenerate import stop_line
+
+    output = tmp_path / "regen.jsonl"
+    assert stop_line(str(output), "stopped by SIGTERM").startswith(
+        "stopped by SIGTERM: regenerate stopped before its end; 0 conversations are written"
+    )
+    interrupted(output)
+    assert stop_line(str(output), "interrupted (Ctrl-C)") == (
+        "interrupted (Ctrl-C): regenerate stopped before its end; 4 conversations are written, "
+        f"in chunks in {_chunks(output)}, and kept; run the same command again to go on from "
+        "there."
+    )

@@ -22,13 +22,12 @@ import time
 import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 from eagleforge.engine.client import EngineClient, VLLMClient
 from eagleforge.engine.config import VLLMConfig
-from eagleforge.errors import EagleForgeError, Stopped
+from eagleforge.errors import ConfigError, EagleForgeError
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +41,18 @@ class EngineError(EagleForgeError):
     """The engine is missing, would not start, or stopped; the message names its log."""
 
 
-def engine_python(cfg: VLLMConfig) -> Path:
+def engine_python(cfg: VLLMConfig, *, url_accepted: bool = False) -> Path:
     """The interpreter of the engine's environment; EngineError naming the setting when none
-    is there."""
+    is there, with what the command takes instead: ``url_accepted`` where it can use a running
+    server (regenerate.backend=vllm); the judge (eval.engine=vllm, in evaluate and train) and
+    target=vllm start engines of their own, so a vllm.url set for them is refused, not
+    ignored."""
+    if cfg.url and not url_accepted:
+        raise ConfigError(
+            f"vllm.url={cfg.url}: this command starts vLLM engines of its own (eval.engine=vllm "
+            "serves each draft, target=vllm captures through eagleforge's connector) and cannot "
+            "use a running server; unset vllm.url."
+        )
     if cfg.python:
         candidates = [Path(cfg.python).expanduser()]
         where = f"vllm.python={cfg.python}"
@@ -59,10 +67,11 @@ def engine_python(cfg: VLLMConfig) -> Path:
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path
+    server = ", or vllm.url to a running vLLM server" if url_accepted else ""
     raise EngineError(
         f"no vLLM environment: {where} is not an interpreter; build one with `make vllm`, or "
-        "set vllm.python to the python of an environment where vLLM is installed, or vllm.url "
-        "to a running server."
+        f"set vllm.python (or ${ENGINE_PYTHON_ENV}) to the python of an environment where vLLM "
+        f"is installed{server}."
     )
 
 
@@ -282,27 +291,3 @@ def _stop_all() -> None:
 
 
 atexit.register(_stop_all)
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """While active, SIGTERM and SIGHUP (a ``kill``, a closed terminal) raise ``Stopped`` (a
-    SystemExit with status 128 + the signal) in the main thread instead of ending the process
-    at once, so every ``with VLLMServer`` stops its engine. Handlers someone else installed are
-    left alone."""
-    previous: dict[signal.Signals, Any] = {}
-
-    def _exit(signum: int, _frame: object) -> None:
-        raise Stopped(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            if signal.getsignal(sig) is signal.SIG_DFL:
-                previous[sig] = signal.signal(sig, _exit)
-        except ValueError:  # not the main thread
-            break
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from eagleforge.errors import ConfigError
+from eagleforge.progress import Progress
 from eagleforge.regeneration.config import MagpieConfig, RegenerateConfig
 from eagleforge.regeneration.output import write_lines_atomically
 from eagleforge.regeneration.rows import Generate, Row
@@ -38,7 +38,7 @@ def user_turns(backend: PromptSampler, count: int, cfg: MagpieConfig) -> list[st
     ids = list(backend.tokenizer(header, add_special_tokens=False)["input_ids"])
     prompts: dict[str, None] = {}  # insertion-ordered set
     tries, calls = 0, 0
-    bar = tqdm(total=count, unit="prompt", desc="magpie prompts")
+    bar = Progress(count, "magpie prompts", "prompt")
     while len(prompts) < count:
         # four tries a prompt, and four calls of the backend's width beyond that
         if calls and tries >= 4 * count + 4 * tries // calls:
