@@ -48,6 +48,12 @@ class CheckpointRefused(ResumeRefused, CheckpointError):
     """The checkpoint a run would resume from is damaged, unreadable, or of a newer format."""
 
 
+class InterruptedAtTheEnd(KeyboardInterrupt):
+    """Ctrl-C that arrived while a finished command wrote its run's end to MLflow (held until
+    the write was whole, then handed on): the work is done and saved, and only the record says
+    the run was stopped (KILLED), so the command must not say that its work was lost."""
+
+
 class Stopped(SystemExit):
     """A stop signal (SIGTERM: SLURM's preemption, scancel, kill; SIGHUP: a closed terminal)
     ended a command that has no step to finish (``stop_on_signals`` raises it in the main

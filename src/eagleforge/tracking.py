@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagleforge.atomic import atomic_file
-from eagleforge.errors import ConfigError, Stopped
+from eagleforge.errors import ConfigError, InterruptedAtTheEnd, Stopped
 from eagleforge.files import unwritable_reason
 
 log = logging.getLogger(__name__)
@@ -610,7 +610,12 @@ class MLflowTracker:
         signals = HeldSignals()
         with signals:
             self._end(status, tags)
-        signals.hand_on(lambda signum: self._stopped(signum, status))
+        try:
+            signals.hand_on(lambda signum: self._stopped(signum, status))
+        except KeyboardInterrupt as e:
+            if status != "FINISHED" or isinstance(e, InterruptedAtTheEnd):
+                raise
+            raise InterruptedAtTheEnd() from None
 
     def _stopped(self, signum: int, status: str) -> None:
         self.stopped_by = signum

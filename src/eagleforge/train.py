@@ -38,7 +38,7 @@ from eagleforge.config import (
     register_configs,
     to_typed,
 )
-from eagleforge.errors import EagleForgeError, ResumeRefused
+from eagleforge.errors import EagleForgeError, InterruptedAtTheEnd, ResumeRefused
 from eagleforge.families import Family, family_for
 from eagleforge.locking import RUN_DIR_LOCK, exclusive, restore_run_records
 from eagleforge.parallel.dist import World, distributed
@@ -263,6 +263,14 @@ def _hydra_main(cfg: DictConfig) -> None:
             restore_run_records()
         else:
             record_failure(e, cfg, is_main=is_main)
+        if isinstance(e, InterruptedAtTheEnd):  # the run had finished and saved
+            print(
+                "interrupted while the finished run's end was written to MLflow: training is "
+                "complete and its last checkpoint saved; the MLflow run is marked KILLED",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(128 + signal.SIGINT)
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C outside the loop, or a second one in it
             print(
                 "interrupted: stopped without saving; to go on from the last checkpoint, run: "

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from eagleforge.errors import Stopped, stop_on_signals
+from eagleforge.errors import InterruptedAtTheEnd, Stopped, stop_on_signals
 from eagleforge.tracking import MLflowTracker, record_failure
 
 pytestmark = pytest.mark.unit
@@ -83,6 +83,19 @@ def test_a_stop_during_the_last_write_marks_the_run_killed_and_goes_on(
     assert run.data.tags["stopped_by"] == signal.Signals(signum).name
     assert run.data.metrics["eval/tau"] == 1.5  # what was logged before is all there
     assert tracker.stopped_by == signum
+
+
+@pytest.mark.usefixtures("ctrl_c")
+def test_ctrl_c_there_says_the_finished_work_is_saved(store: Path) -> None:
+    """The Ctrl-C raised after a FINISHED run's end is InterruptedAtTheEnd: train says its
+    training is complete and saved, not "stopped without saving"."""
+    tracker = _tracker(store, "end", signal.SIGINT)
+    with pytest.raises(InterruptedAtTheEnd):
+        tracker.close()
+    failed = _tracker(store, "end", signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as stop:
+        failed.close("FAILED")  # a run that did not finish stays a plain interruption
+    assert not isinstance(stop.value, InterruptedAtTheEnd)
 
 
 @pytest.mark.usefixtures("ctrl_c")
