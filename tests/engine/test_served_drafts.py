@@ -39,7 +39,9 @@ def pairs() -> list:  # type: ignore[type-arg]
     """Every (family, judge) the judge serves; slow where the family's case says so."""
     return [
         pytest.param(
-            family.value, judge, id=f"{family.value}-{judge}",
+            family.value,
+            judge,
+            id=f"{family.value}-{judge}",
             marks=[pytest.mark.slow] if judge in CASES[family].slow_in else [],
         )  # fmt: skip
         for family in FAMILIES

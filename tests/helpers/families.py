@@ -156,21 +156,34 @@ CASES: dict[DraftFamily, FamilyCase] = {
         checkpoint_check=eagle3_directory,
         random_draft=random_eagle3,
         draft_forwards_per_round=3,
-        served=("draft.ttt_length=3", "draft.norm_before_fc=true", "trainer.max_num_steps=160",
-                "trainer.compute_dtype=bfloat16"),  # fmt: skip
+        served=(
+            "draft.ttt_length=3",
+            "draft.norm_before_fc=true",
+            "trainer.max_num_steps=160",
+            "trainer.compute_dtype=bfloat16",
+        ),  # fmt: skip
         shift_taps=shift_taps,
     ),
     DraftFamily.dflash: FamilyCase(
-        tiny=("draft=dflash", "draft.dflash.num_layers=2", "draft.dflash.block_size=4",
-              "draft.dflash.num_anchors=6"),  # fmt: skip
+        tiny=(
+            "draft=dflash",
+            "draft.dflash.num_layers=2",
+            "draft.dflash.block_size=4",
+            "draft.dflash.num_anchors=6",
+        ),  # fmt: skip
         num_positions=3,  # blocks of 4: three proposals
         trained=(),
         checkpoint_check=dflash_directory,
         random_draft=random_dflash,
         draft_forwards_per_round=1,
-        served=("draft=dflash", "draft.dflash.num_layers=1", "draft.dflash.block_size=4",
-                "draft.dflash.num_anchors=16", "trainer.max_num_steps=160",
-                "trainer.compute_dtype=bfloat16"),  # fmt: skip
+        served=(
+            "draft=dflash",
+            "draft.dflash.num_layers=1",
+            "draft.dflash.block_size=4",
+            "draft.dflash.num_anchors=16",
+            "trainer.max_num_steps=160",
+            "trainer.compute_dtype=bfloat16",
+        ),  # fmt: skip
         shift_taps=shift_dflash_taps,
         log_check=dflash_log,
         slow_in=("vllm",),
@@ -182,8 +195,12 @@ CASES: dict[DraftFamily, FamilyCase] = {
         checkpoint_check=peagle_directory,
         random_draft=random_peagle,
         draft_forwards_per_round=1,
-        served=("draft=peagle", "draft.peagle.num_depths=3", "trainer.max_num_steps=120",
-                "trainer.compute_dtype=float32"),  # fmt: skip
+        served=(
+            "draft=peagle",
+            "draft.peagle.num_depths=3",
+            "trainer.max_num_steps=120",
+            "trainer.compute_dtype=float32",
+        ),  # fmt: skip
         shift_taps=shift_taps,
         log_check=peagle_log,
         slow_in=("vllm",),
