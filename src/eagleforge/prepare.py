@@ -281,6 +281,8 @@ def _plan(
         config.data.template,
         config.data.max_length,
         config.data.is_vlm,
+        config.resolved_cache_dir(),
+        config.model.revision,
     )
     named = [("train", data.train)] + ([("eval", data.eval)] if data.eval is not None else [])
     return [
