@@ -146,6 +146,8 @@ class FamilyCase:
     log_check: Callable[[str, str, list[int]], None] = taps_logged
     # judges whose tests of this family are slow (left out of `make test`)
     slow_in: tuple[str, ...] = field(default_factory=tuple)
+    # whether its sampled-decoding check is slow (left out of `make test`)
+    slow_sampling: bool = False
 
 
 CASES: dict[DraftFamily, FamilyCase] = {
@@ -163,6 +165,10 @@ CASES: dict[DraftFamily, FamilyCase] = {
             "trainer.compute_dtype=bfloat16",
         ),  # fmt: skip
         shift_taps=shift_taps,
+        # a chain drafts token by token, 3 forwards a round x 1,500 decodes; the acceptance
+        # rule keeps the target's distribution in tests/unit/test_speculative_sampling.py, and
+        # a sampled tree goes through the whole decoder in tests/integration/test_evaluate.py
+        slow_sampling=True,
     ),
     DraftFamily.dflash: FamilyCase(
         tiny=(

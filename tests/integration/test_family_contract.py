@@ -96,7 +96,15 @@ def test_greedy_decoding_is_the_targets(name: str) -> None:
     assert result.draft_steps == case.draft_forwards_per_round * len(result.accepted_lengths)
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name, marks=[pytest.mark.slow] if CASES[DraftFamily(name)].slow_sampling else []
+        )
+        for name in FAMILY_NAMES
+    ],
+)
 def test_sampled_decoding_follows_the_targets_distribution(name: str) -> None:
     """Chains sampled at temperature 0.8 from a draft that disagrees with the target: each
     generated position's marginal matches the target's, and proposals are really accepted."""
