@@ -215,16 +215,36 @@ def compose_config(overrides: list[str]) -> DictConfig:
     """Compose the config as the CLI would (for tests, notebooks and other entry points)."""
     from hydra import compose, initialize_config_dir
 
+    for override in overrides:
+        refusal = draft_family_refusal(override)
+        if refusal:
+            raise ConfigError(refusal)
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose("config", overrides=overrides)
+
+
+def draft_family_refusal(override: str) -> str | None:
+    """Why an override that sets ``draft.family`` is refused (None for any other): the family
+    is the draft group's choice, whose file (conf/draft/<family>.yaml) gives that family's
+    section its defaults, a model file's fitted ones among them; set alone, the field would
+    give the group's file (another family's) this family's name and train with its values."""
+    key, _, value = override.partition("=")
+    if key.lstrip("+~") != "draft.family":
+        return None
+    return (
+        f"{override}: choose the draft family with its config group, draft={value or '<family>'} "
+        "(its file gives the family's defaults, which draft.family alone does not apply); "
+        "remove draft.family."
+    )
 
 
 def check_cli_overrides(args: list[str] | None = None) -> None:
     """Every ``key=value`` of the command line (``sys.argv``) as Hydra will read it; one that
     Hydra's parser refuses -- typically a path with spaces or non-ASCII letters typed as a
     shell user types it -- ends the command in one line showing the quoting that works, where
-    Hydra would print its lexer's exception."""
+    Hydra would print its lexer's exception; so does one setting ``draft.family`` (see
+    ``draft_family_refusal``)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -232,6 +252,10 @@ def check_cli_overrides(args: list[str] | None = None) -> None:
     for arg in sys.argv[1:] if args is None else args:
         if arg.startswith("-") or "=" not in arg:
             continue  # Hydra's own flags (-m, --cfg job, ...) and their values
+        refusal = draft_family_refusal(arg)
+        if refusal:
+            print(f"error: {refusal}", file=sys.stderr)
+            sys.exit(2)
         try:
             parser.parse_overrides([arg])
         except OverrideParseException:

@@ -93,6 +93,7 @@ def test_evaluate_entry_point_writes_and_logs(
                 tmp_path,
                 "+model=smollm2",
                 "data.num_eval_samples=4",
+                "data.packing=true",  # SmolLM2's file pads batches of 8
                 "data.max_tokens_per_batch=384",
                 "trainer.save_every_n_steps=2",
                 "trainer.eval_every_n_steps=0",
@@ -156,6 +157,7 @@ def test_training_measures_real_tau_and_keeps_the_best_checkpoint(tmp_path: Path
                 "+model=smollm2",
                 "data.max_num_samples=60",
                 "data.num_eval_samples=4",
+                "data.packing=true",  # SmolLM2's file pads batches of 8
                 "data.max_tokens_per_batch=384",
                 "trainer.max_num_steps=3",
                 "trainer.eval_tau_every_n_steps=2",

@@ -258,7 +258,7 @@ def test_offline_equals_online_on_smollm2(tmp_path: Path) -> None:
     )
     runs = []
     for name, extra in (("online", []), ("offline", [f"data.features={store}"])):
-        overrides = tiny_run_overrides(tmp_path, *data, "trainer.max_num_steps=2",
+        overrides = tiny_run_overrides(tmp_path, *data, "trainer.max_num_steps=2", "data.packing=true",
                                        "data.max_tokens_per_batch=320", *extra, name=name)  # fmt: skip
         runs.append(train(compose_config(overrides)))
     online, offline = runs

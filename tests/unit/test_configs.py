@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -9,7 +10,15 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from eagleforge.config import EagleForgeConfig, compose_config, conf_dir, group_choices, to_typed
+from eagleforge.config import (
+    EagleForgeConfig,
+    check_cli_overrides,
+    compose_config,
+    conf_dir,
+    group_choices,
+    to_typed,
+)
+from eagleforge.data.config import DataConfig
 from eagleforge.data.split import build_datasets
 from eagleforge.draft.config import DraftConfig, DraftFamily
 from eagleforge.draft.dflash import DFlashConfig
@@ -17,6 +26,7 @@ from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import ConfigError
 from eagleforge.families import family_for
 from eagleforge.targets.source import checked_aux_layer_ids, default_aux_layer_ids
+from eagleforge.trainer import TrainerConfig
 
 pytestmark = pytest.mark.unit
 
@@ -240,6 +250,8 @@ def test_a_dflash_draft_takes_the_shape_its_model_file_gives_and_records_it() ->
          "num_anchors from a model file"),
         ("+model.draft_defaults.eagle3.ttt_length=2",
          "model.draft_defaults.eagle3.ttt_length: draft=eagle3 takes no setting"),
+        ("+model.draft_defaults.peagle.depth_decay=0.5",
+         "model.draft_defaults.peagle.depth_decay: draft=peagle takes num_depths from a model file"),
         ("+model.draft_defaults.dflsh.num_layers=2",
          "model.draft_defaults.dflsh: not a draft family; the families are"),
     ],
@@ -262,6 +274,77 @@ def test_each_family_file_reads_from_the_model_exactly_what_it_takes(family: Dra
     if found:
         section = getattr(DraftConfig(), family.value)
         assert {k: str(getattr(section, k)) for k in found} == found
+
+
+FITTED_MODELS = ("tiny", "smollm2")  # the bundled targets: their files fit every family
+
+
+def _typed(*overrides: str) -> EagleForgeConfig:
+    return to_typed(compose_config(["data=chitchat", "output_dir=/tmp/unused", *overrides]))
+
+
+def test_smollm2_gives_every_family_a_batch_and_peagle_depths_that_fit() -> None:
+    """+model=smollm2 draft=peagle trains 5 depths over padded batches of 8 conversations, not
+    the 8-GPU recipe's 8 depths over 4,096-token packed rows; a command or an experiment wins."""
+    for family in DraftFamily:
+        typed = _typed("+model=smollm2", f"draft={family.value}")
+        assert (typed.data.packing, typed.trainer.batch_size) == (False, 8)
+    assert _typed("+model=smollm2", "draft=peagle").draft.peagle.num_depths == 5
+    command = _typed("+model=smollm2", "draft=peagle", "draft.peagle.num_depths=3",
+                     "data.packing=true", "trainer.batch_size=2")  # fmt: skip
+    assert command.draft.peagle.num_depths == 3
+    assert (command.data.packing, command.trainer.batch_size) == (True, 2)
+    demo = _typed("+model=smollm2", "+experiment=cpu_demo")
+    assert (demo.data.packing, demo.trainer.batch_size) == (False, 4)
+
+
+@pytest.mark.parametrize("family", list(DraftFamily), ids=lambda f: f.value)
+@pytest.mark.parametrize(
+    "model", [m for m in group_choices("model") if m not in FITTED_MODELS]
+)  # fmt: skip
+def test_other_model_files_compose_the_published_recipe(model: str, family: DraftFamily) -> None:
+    """The files of big targets (llama3, qwen3, ...) give no fitted shape or batch: their
+    draft, data and trainer sections are the family's and the data file's defaults, the
+    draft vocabulary (and a vision-language target's is_vlm) their own."""
+    typed = _typed(f"+model={model}", f"draft={family.value}")
+    published = DraftConfig(family=family, draft_vocab_size=typed.draft.draft_vocab_size)
+    assert typed.draft == published
+    assert typed.trainer == TrainerConfig()
+    chitchat = OmegaConf.merge(
+        OmegaConf.structured(DataConfig), OmegaConf.load(conf_dir() / "data" / "chitchat.yaml")
+    )
+    assert dataclasses.replace(typed.data, is_vlm=False) == OmegaConf.to_object(chitchat)
+
+
+@pytest.mark.parametrize(
+    "override", ["draft.family=peagle", "+draft.family=dflash", "draft.family=eagle3,peagle"]
+)
+def test_draft_family_without_its_group_is_refused_in_one_line(
+    override: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """draft.family=peagle alone would train draft/eagle3.yaml's values under P-EAGLE's name
+    (no model-fitted depths): refused, pointing at the group, by compose and by the CLI."""
+    value = override.split("=", 1)[1]
+    with pytest.raises(ConfigError) as error:
+        compose_config(["+model=smollm2", "data=chitchat", override])
+    message = str(error.value)
+    assert message.startswith(f"{override}: ") and f"draft={value}" in message
+    assert "remove draft.family" in message and "\n" not in message
+    with pytest.raises(SystemExit) as exit_:
+        check_cli_overrides(["+model=smollm2", "data=chitchat", override])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    check_cli_overrides(["+model=smollm2", f"draft={value}"])  # the group is the way
+
+
+def test_no_conf_file_sets_the_draft_family_but_its_group() -> None:
+    """Only conf/draft/<family>.yaml names a family: an experiment picks one with
+    `override /draft: <family>`, which brings that family's defaults."""
+    for path in sorted(conf_dir().rglob("*.yaml")):
+        if path.parent.name == "draft":
+            continue
+        node = OmegaConf.load(path)
+        assert OmegaConf.select(node, "draft.family") is None, path
 
 
 def test_the_tau_probe_decodes_beside_a_vllm_target_but_not_in_other_backends() -> None:

@@ -34,7 +34,9 @@ class PEagleConfig:
     draft's layer and vocabulary are EAGLE-3's ``draft.*`` fields."""
 
     # Depths trained k: the draft proposes up to k tokens per round (vLLM's
-    # num_speculative_tokens at most k). The published recipes train 8.
+    # num_speculative_tokens at most k). The published recipes train 8; draft=peagle takes a
+    # model file's model.draft_defaults.peagle.num_depths instead, where it gives one (what
+    # fits a small target).
     num_depths: int = 8
     # Loss weight of depth d: max(depth_decay ** d, min_depth_weight) -- the share of
     # positions the published trainers keep at depth d (0.7 and 0.2 there).

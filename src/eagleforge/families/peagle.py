@@ -40,6 +40,8 @@ class PEagleFamily(Eagle3Family):
         "draft.peagle",
     )
     docs = "docs/peagle.md"
+    # the published 8 depths are sized for 8B targets on GPUs; a small target's file gives fewer
+    model_defaults: tuple[str, ...] = ("num_depths",)
     draft_class: type[Eagle3Draft] = PEagleDraft
 
     def describe(self, draft: DraftConfig, loss: LossConfig) -> str:
