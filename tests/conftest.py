@@ -5,6 +5,8 @@ llama-server ``make llamacpp`` built is found in the machine's cache."""
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,17 @@ def smollm2_tokenizer(smollm2_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(autouse=True)
+def _no_tracker_between_tests() -> Iterator[None]:
+    """``MLflowTracker.last`` (the run record_failure and record_stop mark) is the process's:
+    forget it after every test, so that no test marks another test's run -- under
+    pytest-xdist a worker runs tests in any order."""
+    yield
+    tracking = sys.modules.get("eagleforge.tracking")
+    if tracking is not None:
+        tracking.MLflowTracker.last = None
 
 
 @pytest.fixture(autouse=True)
