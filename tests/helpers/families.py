@@ -169,6 +169,9 @@ CASES: dict[DraftFamily, FamilyCase] = {
         # rule keeps the target's distribution in tests/unit/test_speculative_sampling.py, and
         # a sampled tree goes through the whole decoder in tests/integration/test_evaluate.py
         slow_sampling=True,
+        # vLLM judges an untrained EAGLE-3 draft in `make test` already
+        # (tests/engine/test_vllm_engine.py); a trained one adds ~4 min of engine starts
+        slow_in=("vllm",),
     ),
     DraftFamily.dflash: FamilyCase(
         tiny=(
