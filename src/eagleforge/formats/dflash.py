@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 
 from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.dflash import DFlashArchitecture
-from eagleforge.errors import CheckpointError, ConfigError
+from eagleforge.errors import CheckpointError
 from eagleforge.files import checksum_problem, save_safetensors, unreadable_reason
 from eagleforge.formats.kinds import DraftFormat, Verifier, dtype_name
-from eagleforge.formats.layout import Found
+from eagleforge.formats.layout import Found, unusable
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
@@ -405,7 +405,7 @@ class DFlashLayout:
     ) -> tuple[DFlashArchitecture, dict[str, torch.Tensor]]:
         problems = check_dflash(found.path, target_num_layers)
         if problems:
-            raise ConfigError(f"{found.path}: not a usable DFlash draft: {'; '.join(problems)}.")
+            raise unusable(found.path, "DFlash", problems)
         return read_dflash(found.path)
 
     def write(

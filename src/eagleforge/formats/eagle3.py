@@ -24,7 +24,7 @@ from eagleforge.formats.kinds import (
     Verifier,
     dtype_name,
 )
-from eagleforge.formats.layout import Found
+from eagleforge.formats.layout import Found, unusable
 
 EAGLE3_ARCHITECTURES = (SGLANG_ARCHITECTURE, VLLM_ARCHITECTURE, SPECULATORS_ARCHITECTURE)
 # config.json fields only EAGLE-3-style drafts have: EAGLE's own checkpoints name a plain
@@ -306,10 +306,7 @@ def load_checked_eagle3(
     problem (its weights read once); ConfigError listing every problem."""
     problems, config, tensors = _inspect(Path(path), target_num_layers)
     if problems:
-        raise ConfigError(
-            f"{path}: not a usable EAGLE-3 draft: {'; '.join(problems)}. Export it again with "
-            "the tool that trained it, or train one with eagleforge for this target."
-        )
+        raise unusable(Path(path), "EAGLE-3", problems)
     return architecture_of(config), tensors
 
 

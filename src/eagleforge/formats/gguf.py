@@ -48,7 +48,7 @@ from eagleforge.draft.model import DraftArchitecture
 from eagleforge.errors import CheckpointError, ConfigError
 from eagleforge.files import unreadable_reason
 from eagleforge.formats.kinds import GGUF_ARCHITECTURE, DraftFormat, Verifier
-from eagleforge.formats.layout import DraftLayout, Found
+from eagleforge.formats.layout import DraftLayout, Found, unusable
 
 GGUF_FILE = "draft.gguf"
 DFLASH_GGUF_ARCHITECTURE = "dflash"  # general.architecture of llama.cpp's DFlash drafts
@@ -683,7 +683,7 @@ class GGUFLayout:
     ) -> tuple[DraftArchitecture | DFlashArchitecture, dict[str, torch.Tensor]]:
         problems = check_gguf(found.path, target_num_layers)
         if problems:
-            raise ConfigError(f"{found.path}: not a usable GGUF draft: {'; '.join(problems)}.")
+            raise unusable(found.path, "GGUF", problems)
         return read_gguf(found.path)
 
     def write(

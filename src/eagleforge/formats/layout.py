@@ -18,6 +18,7 @@ import torch
 
 from eagleforge.draft.config import DraftFamily
 from eagleforge.draft.family import AnyArchitecture
+from eagleforge.errors import ConfigError
 from eagleforge.formats.kinds import DraftFormat, Verifier
 
 
@@ -104,3 +105,11 @@ class DraftLayout(Protocol):
 def article(title: str) -> str:
     """``title`` with its indefinite article: "an EAGLE-3", "a DFlash"."""
     return f"{'an' if title[:1] in 'AEIOU' else 'a'} {title}"
+
+
+def unusable(path: Path, title: str, problems: list[str]) -> ConfigError:
+    """The refusal of a draft whose check found ``problems``: each named, and what to do."""
+    return ConfigError(
+        f"{path}: not a usable {title} draft: {'; '.join(problems)}. Export it again with the "
+        "tool that trained it, or train one with eagleforge for this target."
+    )
