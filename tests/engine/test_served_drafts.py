@@ -23,7 +23,7 @@ from eagleforge.families import FAMILIES, family_for
 from eagleforge.formats.directory import read_architecture
 from eagleforge.formats.gguf import read_gguf
 from helpers.engine import edited_copy, evaluate_on_smollm2
-from helpers.families import CASES, SERVES_JUDGES, serves
+from helpers.families import CASES, SERVES, serves
 from helpers.runs import tiny_run_overrides
 
 pytestmark = pytest.mark.engine
@@ -45,7 +45,7 @@ def pairs() -> list:  # type: ignore[type-arg]
             marks=[pytest.mark.slow] if judge in CASES[family].slow_in else [],
         )  # fmt: skip
         for family in FAMILIES
-        for judge in SERVES_JUDGES
+        for judge in SERVES
         if serves(judge, family_for(family))
     ]
 

@@ -217,9 +217,13 @@ CASES: dict[DraftFamily, FamilyCase] = {
 }
 
 
+# which families each judge of ``eagleforge.judges.JUDGES`` serves
+SERVES: dict[str, Callable[[Family], bool]] = {
+    "vllm": lambda family: True,
+    "llamacpp": lambda family: family.llamacpp_type is not None,
+}
+
+
 def serves(judge: str, family: Family) -> bool:
     """Whether ``judge`` (an ``eval.engine`` name) serves drafts of ``family``."""
-    return {"vllm": True, "llamacpp": family.llamacpp_type is not None}[judge]
-
-
-SERVES_JUDGES = ("vllm", "llamacpp")  # the judges ``serves`` knows
+    return SERVES[judge](family)

@@ -22,7 +22,7 @@ from eagleforge.formats.kinds import DraftFormat
 from eagleforge.judges import JUDGES
 from eagleforge.speculative.config import DecodeSettings
 from eagleforge.train import run
-from helpers.families import CASES, SERVES_JUDGES
+from helpers.families import CASES, SERVES
 from helpers.runs import start_from, tiny_run_overrides, weights
 from helpers.targets import assert_samples_follow_the_target, small_vocab_target
 
@@ -33,7 +33,7 @@ FAMILY_NAMES = [family.value for family in FAMILIES]
 
 def test_every_family_and_judge_has_its_line() -> None:
     assert set(CASES) == set(FAMILIES)
-    assert set(SERVES_JUDGES) == set(JUDGES)
+    assert set(SERVES) == set(JUDGES)
 
 
 def overrides(tmp_path: Path, family: DraftFamily, name: str) -> list[str]:
