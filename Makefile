@@ -113,22 +113,20 @@ REQUIRE_SLURM := EAGLEFORGE_REQUIRE_SLURM=$(if $(SLURM_OK),1,0)
 LLAMACPP_OK := $(shell command -v cmake >/dev/null && { command -v c++ || command -v g++ || command -v clang++; } >/dev/null && echo yes)
 LLAMACPP_SERVER := $(if $(LLAMACPP_OK),llamacpp)
 REQUIRE_LLAMACPP := EAGLEFORGE_REQUIRE_LLAMACPP=$(if $(LLAMACPP_OK),1,0)
-# The tests run in two passes (docs/architecture.md#tests). First the tiers whose tests share
-# nothing -- unit, integration, dist -- on TEST_WORKERS processes (pytest-xdist), each with one
-# torch thread: the tiny tensors of most tests gain nothing from a second thread, and the workers
-# fill the cores. Then the engine and SLURM tiers in one process, on the whole machine: their
-# tests share a vLLM environment, a llama-server build and one cluster, and the SLURM tests time
-# what slurmctld does. A pass that runs no test fails (pytest's status 5), as any failure does.
+# The tests run on TEST_WORKERS processes (pytest-xdist), each with one torch thread: the tiny
+# tensors of most tests gain nothing from a second thread, and the workers fill the cores. The
+# tests of the engine and SLURM tiers that share a server, a trained draft or the cluster run
+# on one worker, module by module, and first (tests/conftest.py): while they wait on an engine
+# or on slurmctld, the other worker runs the other tiers (docs/architecture.md#tests). A run
+# that runs no test fails (pytest's status 5), as any failure does.
 TEST_WORKERS ?= 2
 PARALLEL_PASS := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
-SHARED_TIERS := (engine or slurm)
+REQUIRE_TIERS := $(REQUIRE_ENGINE) $(REQUIRE_LLAMACPP) $(REQUIRE_SLURM)
 test: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run the test suite, the vLLM, llama.cpp and SLURM tiers included (CPU; gpu tests skip without CUDA)
-	$(OFFLINE) $(PARALLEL_PASS) -m "not slow and not $(SHARED_TIERS)" $(PYTEST_ARGS)
-	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_LLAMACPP) $(REQUIRE_SLURM) $(PY) -m pytest -m "not slow and $(SHARED_TIERS)" $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE_TIERS) $(PARALLEL_PASS) -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run every test tier, slow ones included
-	$(OFFLINE) $(PARALLEL_PASS) -m "not $(SHARED_TIERS)" $(PYTEST_ARGS)
-	$(OFFLINE) $(REQUIRE_ENGINE) $(REQUIRE_LLAMACPP) $(REQUIRE_SLURM) $(PY) -m pytest -m "$(SHARED_TIERS)" $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE_TIERS) $(PARALLEL_PASS) $(PYTEST_ARGS)
 
 check: $(STAMP) ## The inner loop: the unit tier on every core (<= 3 min on 2 cores; make test runs every tier)
 	$(OFFLINE) $(PARALLEL_PASS) -m "unit and not slow" $(PYTEST_ARGS)

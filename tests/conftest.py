@@ -27,13 +27,25 @@ if not os.environ.get("EAGLEFORGE_LLAMA_SERVER"):
 os.environ.setdefault("EAGLEFORGE_CACHE_DIR", str(REPO / ".cache" / "eagleforge"))
 
 
+# The tiers whose tests share what is costly to start -- an engine's server, a draft trained
+# for it, the SLURM cluster -- through module and session fixtures.
+SHARING_TIERS = ("engine", "slurm")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests skip without CUDA. Each module of the sharing tiers is one xdist group, which
+    ``--dist loadgroup`` runs on one worker (its fixtures started once) and, a group being its
+    largest unit of work, starts first: their waits on engines and slurmctld overlap the other
+    tiers' work on the other worker."""
     import torch
 
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if any(item.get_closest_marker(tier) for tier in SHARING_TIERS):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ from eagleforge.checkpoint import (
     resume_changes,
     run_record,
 )
-from eagleforge.config import EagleForgeConfig
+from eagleforge.config import EagleForgeConfig, check_batch_shape
 from eagleforge.data.features import (
     FeatureDataset,
     check_store_data,
@@ -423,6 +423,7 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
     sp = SequenceParallel.from_world(world)
     module = training_module(config, draft, world, sp)
     packing = resolve_packing(config, inputs.target)
+    check_batch_shape(config, packing)
     if packing:
         log.info("packing conversations into rows of %d tokens", config.data.max_tokens_per_batch)
     pad_id = (

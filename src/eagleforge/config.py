@@ -105,6 +105,8 @@ class EagleForgeConfig:
             )
         if self.data.is_vlm:
             self._check_vlm()
+        if self.data.packing is not None or offline:  # known before the target is (else: builder)
+            check_batch_shape(self, packing=self.data.packing is not False)
         # the τ probe decodes with the transformers target (KV cache): the run's own, or one
         # rank 0 loads beside an engine in another process (target=vllm) or a feature store
         beside = (TargetBackendKind.hf, TargetBackendKind.vllm)
@@ -179,6 +181,25 @@ class EagleForgeConfig:
 
     def resolved_cache_dir(self) -> Path:
         return resolve_cache_dir(self.cache_dir)
+
+
+def check_batch_shape(config: EagleForgeConfig, packing: bool) -> None:
+    """``data.max_tokens_per_batch`` shapes packed rows only: set away from its default in a
+    run that pads batches of ``trainer.batch_size`` samples, it is refused rather than
+    recorded as if it shaped them."""
+    data = config.data
+    if packing or data.max_tokens_per_batch == DataConfig.max_tokens_per_batch:
+        return
+    why = (
+        f"data.packing={str(data.packing).lower()}"
+        if data.packing is not None
+        else "data.packing=null does not pack with this target"
+    )
+    raise ConfigError(
+        f"data.max_tokens_per_batch={data.max_tokens_per_batch} is read only when rows are "
+        f"packed, and this run pads batches of trainer.batch_size={config.trainer.batch_size} "
+        f"({why}); remove it, or set data.packing=true."
+    )
 
 
 def register_configs() -> None:

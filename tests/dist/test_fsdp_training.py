@@ -31,6 +31,7 @@ from helpers.processes import descendants
 from helpers.ranks import run_ranks
 from helpers.runs import (
     FSDP_RUN,
+    PADDED,
     assert_close_weights,
     start_from,
     tiny_run_overrides,
@@ -61,7 +62,7 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(
     target=custom against the one-process transformers target)."""
     # 3 steps stay inside the first epoch (at its end a rank short of a batch gets a filler,
     # while one process would start the next epoch)
-    common = (f"data.packing={packing}", "trainer.max_num_steps=3")
+    common = (*(PADDED if packing == "false" else ("data.packing=true",)), "trainer.max_num_steps=3")
     one = train_on_rank(0, overrides(tmp_path, "one", *common, "trainer.grad_accum_steps=2"))
     ranks = run_ranks(train_on_rank, 2, overrides(tmp_path, "two", *common, *layout.split()))
     (losses_0, eval_0, checkpoint), (losses_1, _, _) = ranks
@@ -73,7 +74,7 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(
 
 
 def test_two_rank_resume_is_bit_identical_and_reshards(tmp_path: Path) -> None:
-    args = ("trainer.save_every_n_steps=2", "data.packing=false")
+    args = ("trainer.save_every_n_steps=2", *PADDED)
     full = run_ranks(train_on_rank, 2, overrides(tmp_path, "full", *args))[0]
     step_2 = tmp_path / "full" / "checkpoints" / "step_00000002"
     start_from(step_2, tmp_path / "resumed")
@@ -140,7 +141,7 @@ def test_muon_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     sharded momentum buffers go through the full-state checkpoint), and one process continues
     from the same checkpoint."""
     # 3 steps: inside the first epoch (see above)
-    args = ("optimizer=muon", "data.packing=false", "trainer.max_num_steps=3",
+    args = ("optimizer=muon", *PADDED, "trainer.max_num_steps=3",
             "trainer.save_every_n_steps=2")  # fmt: skip
     one = train_on_rank(0, overrides(tmp_path, "one", *args, "trainer.grad_accum_steps=2",
                                      "trainer.max_num_steps=1"))  # fmt: skip
@@ -167,7 +168,7 @@ def test_muon_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
 def test_two_ranks_killed_with_sigkill_resume_bit_identical(tmp_path: Path) -> None:
     """torchrun's whole process group SIGKILLed once step 2 is saved; the same 2-rank
     command then ends exactly as the run that never stopped."""
-    args = ("trainer.save_every_n_steps=1", "trainer.max_num_steps=5", "data.packing=false")
+    args = ("trainer.save_every_n_steps=1", "trainer.max_num_steps=5", *PADDED)
     full = run_ranks(train_on_rank, 2, overrides(tmp_path, "full", *args))[0]
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.Popen(
@@ -198,7 +199,7 @@ def test_dflash_on_two_ranks_trains_and_resumes_exactly(tmp_path: Path) -> None:
     global loss, and a 2-rank resume from step 2 is bit-identical (each rank's anchor RNG is in
     the checkpoint)."""
     args = ("draft=dflash", "draft.dflash.num_layers=1", "draft.dflash.block_size=4",
-            "draft.dflash.num_anchors=6", "draft.dflash.mask_token_id=16", "data.packing=false",
+            "draft.dflash.num_anchors=6", "draft.dflash.mask_token_id=16", *PADDED,
             "trainer.save_every_n_steps=2", "draft.ttt_length=7")  # fmt: skip
     full_0, full_1 = run_ranks(train_on_rank, 2, overrides(tmp_path, "full", *args))
     assert full_0[0] == full_1[0]  # the global loss on both ranks

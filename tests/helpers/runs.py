@@ -37,6 +37,10 @@ FSDP_RUN = (
     "optimizer.eps=1e-4", "parallel.device=cpu",
 )  # fmt: skip
 
+# Padded batches in a run whose base packs rows: the packed row's budget taken out with the
+# packing (a padded run refuses data.max_tokens_per_batch, which it would not read).
+PADDED = ("data.packing=false", "~data.max_tokens_per_batch")
+
 # The data of the sequence-parallel runs, captured once into a feature store.
 SP_DATA = ("+model=tiny", "data=chitchat", "data.max_num_samples=30", "data.num_eval_samples=4",
            "data.max_length=96")  # fmt: skip
@@ -47,14 +51,18 @@ def _key(override: str) -> str:
 
 
 def with_extras(base: tuple[str, ...] | list[str], *extra: str) -> list[str]:
-    """``base`` with each extra in place of the override of the same key, or appended."""
+    """``base`` with each extra in place of the override of the same key, or appended; an
+    extra ``~key`` (Hydra's deletion) takes that key's override out of ``base``."""
     merged = list(base)
-    position = {_key(override): i for i, override in enumerate(merged)}
     for override in extra:
-        if _key(override) in position:
-            merged[position[_key(override)]] = override
+        key = _key(override)
+        at = next((i for i, given in enumerate(merged) if _key(given) == key), None)
+        if override.startswith("~") and "=" not in override:
+            if at is not None:
+                del merged[at]
+        elif at is not None:
+            merged[at] = override
         else:
-            position[_key(override)] = len(merged)
             merged.append(override)
     return merged
 

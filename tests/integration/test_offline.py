@@ -20,7 +20,7 @@ from eagleforge.errors import DataError
 from eagleforge.prepare import run as prepare
 from eagleforge.train import run as train
 from helpers.processes import dead_pid
-from helpers.runs import tiny_run_overrides
+from helpers.runs import PADDED, tiny_run_overrides
 from helpers.weights import scale_tensor, tiny_target_copy
 
 pytestmark = pytest.mark.integration
@@ -78,9 +78,9 @@ def test_offline_training_equals_online(
 ) -> None:
     """Same data, seed and steps: the same losses and the same trained weights (an EAGLE-3, a
     DFlash draft, which reads the store's aux states as its taps, and a P-EAGLE draft)."""
-    flag = f"data.packing={str(packing).lower()}"
-    online = _train(tmp_path, "online", flag, *draft)
-    offline = _train(tmp_path, "offline", flag, f"data.features={store}", *draft)
+    flag = ("data.packing=true",) if packing else PADDED
+    online = _train(tmp_path, "online", *flag, *draft)
+    offline = _train(tmp_path, "offline", *flag, f"data.features={store}", *draft)
     torch.testing.assert_close(
         torch.tensor(offline.train_losses), torch.tensor(online.train_losses), rtol=1e-5, atol=1e-6
     )

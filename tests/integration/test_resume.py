@@ -22,7 +22,7 @@ from eagleforge.files import CHECKSUMS, record_checksums
 from eagleforge.train import run
 from eagleforge.trainer import Trainer
 from helpers.processes import dead_pid
-from helpers.runs import start_from, tiny_run_overrides, weights
+from helpers.runs import PADDED, start_from, tiny_run_overrides, weights
 from helpers.weights import overlaps, sampled_spans, scale_tensor, tensor_span, tiny_target_copy
 
 pytestmark = pytest.mark.integration
@@ -36,9 +36,13 @@ def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
+def packed(packing: str) -> tuple[str, ...]:
+    return PADDED if packing == "false" else ("data.packing=true",)
+
+
 @pytest.mark.parametrize("packing", ["true", "false"])
 def test_resumed_run_is_bit_identical(tmp_path: Path, packing: str) -> None:
-    full = run(compose_config(overrides(tmp_path, "full", f"data.packing={packing}")))
+    full = run(compose_config(overrides(tmp_path, "full", *packed(packing))))
     # the same run, stopped after its step-2 checkpoint: a torn step-4 save left behind, and a
     # step-4 checkpoint with one flipped bit in its weights (a disk or copy error)
     resumed_dir = tmp_path / "resumed" / "checkpoints"
@@ -51,7 +55,7 @@ def test_resumed_run_is_bit_identical(tmp_path: Path, packing: str) -> None:
     torn = resumed_dir / f".step_00000006.{dead_pid()}@{this_host()}.abcd1234"  # a killed save
     torn.mkdir()
     (torn / "model.safetensors").write_bytes(b"torn")
-    resumed = run(compose_config(overrides(tmp_path, "resumed", f"data.packing={packing}")))
+    resumed = run(compose_config(overrides(tmp_path, "resumed", *packed(packing))))
     assert resumed.step == full.step == 6
     assert resumed.train_losses == full.train_losses[2:]  # steps 3..6, bit for bit
     final_full, final_resumed = weights(full.checkpoint), weights(resumed.checkpoint)

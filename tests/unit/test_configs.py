@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from eagleforge.config import (
     EagleForgeConfig,
+    check_batch_shape,
     check_cli_overrides,
     compose_config,
     conf_dir,
@@ -281,6 +282,24 @@ FITTED_MODELS = ("tiny", "smollm2")  # the bundled targets: their files fit ever
 
 def _typed(*overrides: str) -> EagleForgeConfig:
     return to_typed(compose_config(["data=chitchat", "output_dir=/tmp/unused", *overrides]))
+
+
+def test_a_packed_rows_budget_is_refused_where_batches_are_padded() -> None:
+    """data.max_tokens_per_batch shapes packed rows only: a run that pads (SmolLM2's file, a
+    command, or a target that cannot pack) refuses it in one line naming what pads."""
+    with pytest.raises(ConfigError) as info:
+        _typed("+model=smollm2", "data.max_tokens_per_batch=2048")
+    assert str(info.value) == (
+        "data.max_tokens_per_batch=2048 is read only when rows are packed, and this run pads "
+        "batches of trainer.batch_size=8 (data.packing=false); remove it, or set data.packing=true."
+    )
+    packed = _typed("+model=smollm2", "data.packing=true", "data.max_tokens_per_batch=2048")
+    assert packed.data.max_tokens_per_batch == 2048
+    assert _typed("+model=smollm2", "data.max_tokens_per_batch=4096").data.packing is False
+    online = _typed("+model=tiny", "data.max_tokens_per_batch=8192")  # the target decides
+    check_batch_shape(online, packing=True)
+    with pytest.raises(ConfigError, match=r"\(data\.packing=null does not pack with this target\)"):
+        check_batch_shape(online, packing=False)
 
 
 def test_smollm2_gives_every_family_a_batch_and_peagle_depths_that_fit() -> None:
