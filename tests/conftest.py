@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,25 +28,36 @@ if not os.environ.get("EAGLEFORGE_LLAMA_SERVER"):
 os.environ.setdefault("EAGLEFORGE_CACHE_DIR", str(REPO / ".cache" / "eagleforge"))
 
 
-# The tiers whose tests share what is costly to start -- an engine's server, a draft trained
-# for it, the SLURM cluster -- through module and session fixtures.
-SHARING_TIERS = ("engine", "slurm")
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests skip without CUDA. Each module of the sharing tiers is one xdist group, which
-    ``--dist loadgroup`` runs on one worker (its fixtures started once) and, a group being its
-    largest unit of work, starts first: their waits on engines and slurmctld overlap the other
-    tiers' work on the other worker."""
     import torch
 
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        if any(item.get_closest_marker(tier) for tier in SHARING_TIERS):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+# The tiers whose tests share what is costly to start -- an engine's server, a draft trained
+# for it, the SLURM cluster -- through module and session fixtures.
+SHARING_TIERS = ("tests/engine/", "tests/slurm/")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadgroup`` (``make test``), each module of the sharing tiers is one unit
+    of work: its tests run on one worker, which starts its fixtures once, and, units being
+    handed out largest first, they start first -- their waits on engines and slurmctld overlap
+    the other tiers' work on the other worker. (A module-wide ``xdist_group`` mark would say
+    the same, but pytest-xdist 3.8 cannot put its group into pytest 9.2's node ids.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SharedFixtureScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.startswith(SHARING_TIERS) else super()._split_scope(nodeid)
+
+    return SharedFixtureScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
