@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -229,11 +230,24 @@ class StopSignals:
     def hand_on(signum: int) -> None:
         """After the run stopped and saved: call the Python handler now installed for
         ``signum`` (the one found on entry), if any. Inside a submitit job that is submitit's:
-        on SIGUSR2 it requeues the job and exits; on SIGTERM it only logs. Returns when the
-        handler does (or there is none); the caller then exits with 128 + signum."""
+        on SIGUSR2 it requeues the job (``scontrol requeue``) and exits; on SIGTERM it only
+        logs. Returns when the handler does (or there is none); the caller then exits with
+        128 + signum.
+
+        SLURM carries out a requeue by ending the job's step with SIGTERM, and on a busy
+        controller that can reach ``scontrol`` itself before it has returned: the requeue it
+        asked for is under way, so its death by SIGTERM ends the job as the requeue would,
+        rather than as a failure that submitit records as the job's result (the sweep's
+        driver would then fail a job that goes on)."""
         handler = signal.getsignal(signum)
-        if callable(handler) and handler is not signal.default_int_handler:  # Ctrl-C: saved
+        if not callable(handler) or handler is signal.default_int_handler:  # Ctrl-C: saved
+            return
+        try:
             handler(signum, None)
+        except subprocess.CalledProcessError as e:
+            if e.returncode != -signal.SIGTERM or "requeue" not in e.cmd:
+                raise
+            log.warning("%s ended by SIGTERM: SLURM ends the step for the requeue", e.cmd)
 
 
 class BatchSource(Protocol):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 from typing import Any
 
 import pytest
@@ -92,6 +93,34 @@ def test_stop_signals_record_and_then_hand_on_to_the_launchers_handler() -> None
         assert signal.getsignal(signal.SIGUSR2) is requeue
         StopSignals.hand_on(stop.signal)
         assert requeue.calls == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.parametrize(
+    ("command", "returncode", "handed_on"),
+    [
+        (["scontrol", "requeue", "26"], -signal.SIGTERM, True),  # SLURM ends the step for it
+        (["scontrol", "requeue", "26"], 1, False),  # scontrol refused: the job is not requeued
+        (["scontrol", "show", "job"], -signal.SIGTERM, False),
+    ],
+)
+def test_a_requeue_whose_scontrol_slurm_terminates_is_the_requeue_not_a_failure(
+    command: list[str], returncode: int, handed_on: bool
+) -> None:
+    """submitit's requeue runs ``scontrol requeue``; SLURM ends the job's step for that
+    requeue with SIGTERM, which on a busy controller reaches scontrol before it returns."""
+
+    def requeue(_signum: int, _frame: Any) -> None:
+        raise subprocess.CalledProcessError(returncode, command)
+
+    previous = signal.signal(signal.SIGUSR2, requeue)
+    try:
+        if handed_on:
+            StopSignals.hand_on(signal.SIGUSR2)
+        else:
+            with pytest.raises(subprocess.CalledProcessError):
+                StopSignals.hand_on(signal.SIGUSR2)
     finally:
         signal.signal(signal.SIGUSR2, previous)
 
