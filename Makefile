@@ -120,16 +120,16 @@ REQUIRE_LLAMACPP := EAGLEFORGE_REQUIRE_LLAMACPP=$(if $(LLAMACPP_OK),1,0)
 # or on slurmctld, the other worker runs the other tiers (docs/architecture.md#tests). A run
 # that runs no test fails (pytest's status 5), as any failure does.
 TEST_WORKERS ?= 2
-PARALLEL_PASS := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+XDIST_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 REQUIRE_TIERS := $(REQUIRE_ENGINE) $(REQUIRE_LLAMACPP) $(REQUIRE_SLURM)
 test: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run the test suite, the vLLM, llama.cpp and SLURM tiers included (CPU; gpu tests skip without CUDA)
-	$(OFFLINE) $(REQUIRE_TIERS) $(PARALLEL_PASS) -m "not slow" $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE_TIERS) $(XDIST_PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run every test tier, slow ones included
-	$(OFFLINE) $(REQUIRE_TIERS) $(PARALLEL_PASS) $(PYTEST_ARGS)
+	$(OFFLINE) $(REQUIRE_TIERS) $(XDIST_PYTEST) $(PYTEST_ARGS)
 
 check: $(STAMP) ## The inner loop: the unit tier on every core (<= 3 min on 2 cores; make test runs every tier)
-	$(OFFLINE) $(PARALLEL_PASS) -m "unit and not slow" $(PYTEST_ARGS)
+	$(OFFLINE) $(XDIST_PYTEST) -m "unit and not slow" $(PYTEST_ARGS)
 
 test-quality: $(STAMP) ## The draft-quality regression: a short recipe run must keep its acceptance (~10 min)
 	$(OFFLINE) $(PY) -m pytest -m quality -s $(PYTEST_ARGS)
