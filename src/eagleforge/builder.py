@@ -42,9 +42,10 @@ from eagleforge.data.features import (
     open_store,
     weight_hash,
 )
-from eagleforge.data.loader import make_loader
+from eagleforge.data.loader import plan_batches
 from eagleforge.data.preprocess import DataReport, TokenizedDataset, source_key
 from eagleforge.data.split import build_datasets
+from eagleforge.data.stream import FeatureStream
 from eagleforge.data.vocab import VocabMap, cached_vocab_map
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
 from eagleforge.errors import CheckpointRefused, ConfigError, ResumeSettingRefused
@@ -68,7 +69,7 @@ from eagleforge.targets.source import (
     resolve_model_dir,
 )
 from eagleforge.tracking import build_tracker, default_run_name, flatten
-from eagleforge.trainer import Components
+from eagleforge.trainer import Components, Loader
 
 log = logging.getLogger("eagleforge.train")
 
@@ -300,6 +301,7 @@ class TrainBatches:
         self.seed = config.seed
         self.inputs, self.pad_id, self.packing = inputs, pad_id, packing
         self.world = world
+        self.queue_batches = config.target.producers.queue_batches
         self.make = family_for(config.draft.family).batches(
             draft, config.draft, inputs.target, sp, config.seed, config.target.teacher_chunk_size
         )
@@ -308,10 +310,10 @@ class TrainBatches:
         """Stop what the target runs outside this process (target=vllm: its engine)."""
         release(self.inputs.target)
 
-    def _loader(
-        self, dataset: Any, shuffle_seed: int | None, start: int = 0
-    ) -> torch.utils.data.DataLoader:
-        return make_loader(
+    def _loader(self, dataset: Any, shuffle_seed: int | None, start: int = 0) -> Loader:
+        """The batches of ``dataset``: read (a store, or the target run in each step), or,
+        where the target's producers stream its states (target=vllm), from them."""
+        plan = plan_batches(
             dataset,
             self.packing,
             self.data.max_tokens_per_batch,
@@ -323,11 +325,20 @@ class TrainBatches:
             start=start,
             processor=self.inputs.processor,
         )
+        submit = getattr(self.inputs.target, "submit", None)
+        if submit is None:
+            return plan.loader()
+        return FeatureStream(plan, submit, self.queue_batches)
 
-    def train_loader(self, epoch: int, start: int = 0) -> torch.utils.data.DataLoader:
+    def producer_records(self) -> list[dict[str, Any]] | None:
+        """What each producer of a streamed run did (``ProducerRecord``); None otherwise."""
+        records = getattr(self.inputs.target, "producer_records", None)
+        return records() if records is not None else None
+
+    def train_loader(self, epoch: int, start: int = 0) -> Loader:
         return self._loader(self.inputs.train, self.seed * 1_000_003 + epoch, start)
 
-    def eval_loader(self) -> torch.utils.data.DataLoader | None:
+    def eval_loader(self) -> Loader | None:
         if self.inputs.eval is None:
             return None
         return self._loader(self.inputs.eval, shuffle_seed=None)

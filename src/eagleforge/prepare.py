@@ -232,7 +232,7 @@ def _prepare(config: EagleForgeConfig, out: Path) -> Path:
         else None
     )
     if config.target.backend == TargetBackendKind.vllm:
-        engine_python(config.vllm)  # a missing engine costs a line, before the data is read
+        _check_producers(config)
     data = build_datasets(config.data, tokenizer, cache_dir, config.seed, processor)
     dtype = config.model.dtype.torch_dtype(device)
     splits = _plan(config, model_dir, data, dtype)
@@ -253,6 +253,20 @@ def _prepare(config: EagleForgeConfig, out: Path) -> Path:
             return _capture(config, out, splits, target, processor, rank, world)
         finally:
             release(target)
+
+
+def _check_producers(config: EagleForgeConfig) -> None:
+    """target=vllm: a missing engine costs a line before the data is read, and training's
+    queue between the producers and the step, which a capture has not, is refused if set."""
+    producers = config.target.producers
+    if producers.queue_batches != type(producers)().queue_batches:
+        raise ConfigError(
+            f"target.producers.queue_batches={producers.queue_batches} sizes training's queue "
+            "between the producers and the step; prepare has none (it sends a batch ahead while "
+            "it writes the last); remove it."
+        )
+    if not producers.urls:
+        engine_python(config.vllm)
 
 
 class _Split(NamedTuple):

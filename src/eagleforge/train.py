@@ -85,11 +85,19 @@ def run(cfg: DictConfig) -> TrainResult:
 def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult:
     parts = build(cfg, config, world)
     trainer = Trainer(config.trainer, parts)
+    tracker, output_dir = parts.tracker, parts.output_dir
+    first_step = trainer.step
     try:
         result = trainer.train()
     finally:
-        release(parts.batches)  # target=vllm: its engine stops with the run, not the process
-    tracker, output_dir = parts.tracker, parts.output_dir
+        records = parts.batches.producer_records()
+        release(parts.batches)  # target=vllm: its engines stop with the run, not the process
+        if records is not None:
+            name = f"producers_rank{world.rank}.json" if world.rank else "producers.json"
+            fed = record_producers(output_dir / name, records, first_step, trainer.step)
+            if world.is_main:
+                tracker.log_artifact(fed)
+                print(f"fed by: {describe_producers(records)} ({fed})", flush=True)
     if trainer.profiler is not None:
         report_profile(trainer.profiler, world, tracker)
     if world.is_main:
@@ -108,6 +116,32 @@ def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult
         print_summary(result, tracker, family)
     tracker.close()
     return result
+
+
+def record_producers(
+    path: Path, records: list[dict[str, Any]], first_step: int, last_step: int
+) -> Path:
+    """``producers.json`` (rank r > 0: ``producers_rank<r>.json``): for each part of the run (a resumed run adds one), the
+    steps it trained and what each producer of the target's states gave it."""
+    parts = json.loads(path.read_text()) if path.is_file() else []
+    parts.append({"first_step": first_step, "last_step": last_step, "producers": records})
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(parts, indent=2) + "\n")
+    return path
+
+
+def describe_producers(records: list[dict[str, Any]]) -> str:
+    """One line: each producer's samples, and what stopped it on the way."""
+
+    def one(record: dict[str, Any]) -> str:
+        said = f"{record['name']} {record['samples']:,} samples"
+        if record["recoveries"]:
+            said += f", back {record['recoveries']}x after stopping"
+        if record["handed_on"]:
+            said += f", {record['handed_on']} handed on"
+        return said + (", given up" if record["given_up"] else "")
+
+    return "; ".join(one(record) for record in records)
 
 
 def run_title(config: EagleForgeConfig, output_dir: Path) -> str:

@@ -250,15 +250,29 @@ class StopSignals:
             log.warning("%s ended by SIGTERM: SLURM ends the step for the requeue", e.cmd)
 
 
+class Loader(Protocol):
+    """An epoch's collated batches, in order, and their number (a DataLoader, or the stream
+    of a target's producers: ``data.stream.FeatureStream``)."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
+
+    def __len__(self) -> int: ...
+
+
 class BatchSource(Protocol):
     """Where the trainer's micro-batches come from (``builder.TrainBatches``)."""
 
-    def train_loader(self, epoch: int, start: int = 0) -> torch.utils.data.DataLoader:
+    def train_loader(self, epoch: int, start: int = 0) -> Loader:
         """This rank's batches of ``epoch`` in its seeded order, after ``start`` global ones."""
         ...
 
-    def eval_loader(self) -> torch.utils.data.DataLoader | None:
+    def eval_loader(self) -> Loader | None:
         """This rank's held-out batches; None without an eval split."""
+        ...
+
+    def producer_records(self) -> list[dict[str, Any]] | None:
+        """What each producer of the target's states did (target=vllm); None where the
+        states are read or computed here."""
         ...
 
     def make_batch(self, batch: dict[str, torch.Tensor], train: bool = True) -> AnyBatch:

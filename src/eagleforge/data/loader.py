@@ -3,6 +3,8 @@ batches, and their sharding across data-parallel ranks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +31,27 @@ def pack_indices(lengths: list[int], order: list[int], max_tokens: int) -> list[
     return rows
 
 
-def make_loader(
+@dataclass
+class BatchPlan:
+    """An epoch's batches: the samples of each (indices into ``dataset``, in order) and how
+    they are collated."""
+
+    dataset: Any  # the samples (with fillers for sharded ranks: see ``shard_batches``)
+    batches: list[list[int]]
+    collate: Callable[[list[tuple[Any, ...]]], dict[str, torch.Tensor]]
+    seed: int  # of the loader's own generator
+
+    def loader(self) -> torch.utils.data.DataLoader:
+        # a generator of its own: each iterator otherwise draws its workers' base seed from
+        # the global RNG, which a resumed run (its loader made anew) would then draw
+        # differently from (DFlash draws its anchors from it)
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=self.batches, collate_fn=self.collate, generator=generator
+        )
+
+
+def plan_batches(
     dataset: Any,  # TokenizedDataset or data.features.FeatureDataset: samples and lengths()
     packing: bool,
     max_tokens_per_batch: int,
@@ -40,7 +62,7 @@ def make_loader(
     num_shards: int = 1,
     start: int = 0,
     processor: VisionProcessor | None = None,
-) -> torch.utils.data.DataLoader:
+) -> BatchPlan:
     """Batches of ``batch_size`` padded samples, or with ``packing`` one row of whole samples
     up to ``max_tokens_per_batch`` tokens per batch.
 
@@ -68,13 +90,12 @@ def make_loader(
     if num_shards > 1:
         batches = shard_batches(batches, shard, num_shards)
         dataset = _WithFillers(dataset)
-    # a generator of its own: each iterator otherwise draws its workers' base seed from the
-    # global RNG, which a resumed run (its loader made anew) would then draw differently from
-    # (DFlash draws its anchors from it)
-    generator = torch.Generator().manual_seed(shuffle_seed or 0)
-    return torch.utils.data.DataLoader(
-        dataset, batch_sampler=batches, collate_fn=collate, generator=generator
-    )
+    return BatchPlan(dataset, batches, collate, shuffle_seed or 0)
+
+
+def make_loader(*args: Any, **kwargs: Any) -> torch.utils.data.DataLoader:
+    """The loader of ``plan_batches(*args, **kwargs)``."""
+    return plan_batches(*args, **kwargs).loader()
 
 
 def shard_batches(batches: list[list[int]], shard: int, num_shards: int) -> list[list[int]]:

@@ -48,6 +48,10 @@ class EngineRequestError(EagleForgeError):
     """A request to the engine failed; the message names the URL (and the engine's log)."""
 
 
+class EngineUnreachable(EngineRequestError):
+    """No answer at all: the connection was refused, reset or timed out (no HTTP status)."""
+
+
 @dataclass
 class Completion:
     token_ids: list[int]
@@ -148,9 +152,17 @@ class EngineClient(ABC):
         except urllib.error.HTTPError as e:
             raise EngineRequestError(http_error_summary(e, f"{self._where()}/{path}")) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            raise EngineRequestError(
+            raise EngineUnreachable(
                 f"the engine at {self._where()} did not answer /{path}: {getattr(e, 'reason', e)}"
             ) from None
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers ``/health`` with 200 within ``timeout_s``."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
 
     def _post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """The JSON answer to ``body`` posted to ``path``, and the request's wall time."""
@@ -192,8 +204,18 @@ class VLLMClient(EngineClient):
 
     def model(self) -> str:
         """The first model the server serves."""
+        return str(self.served_model()["id"])
+
+    def served_model(self) -> dict[str, Any]:
+        """The first entry of ``/v1/models``: its ``id`` (the served name) and ``root`` (the
+        path or hub id the server loaded)."""
         listing = json.loads(self._request("v1/models"))
-        return str(listing["data"][0]["id"])
+        try:
+            return dict(listing["data"][0])
+        except (KeyError, IndexError, TypeError) as e:
+            raise EngineRequestError(
+                f"{self._where()}/v1/models lists no model ({type(e).__name__}: {e})"
+            ) from None
 
     def complete(
         self,

@@ -19,8 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, TypeVar
@@ -151,7 +149,15 @@ class EngineProcess(ABC):
         self.command: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> EngineProcess:
+    def start(self: _Process) -> _Process:
+        """Start the server and wait until it answers (``launch``, then ``wait_ready``)."""
+        return self.launch().wait_ready()
+
+    def launch(self: _Process) -> _Process:
+        """Start the server's process without waiting for it: several servers launched one
+        after another start at once. The calling thread must outlive the server -- Linux ends
+        the server when that thread ends (PR_SET_PDEATHSIG), so a short-lived thread would
+        take its server with it."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         for key, value in self.env_defaults.items():
@@ -171,6 +177,11 @@ class EngineProcess(ABC):
             )
         _LIVE.add(self)
         log.info("%s starting (pid %d, log %s)", self.name, self.proc.pid, self.log_path)
+        return self
+
+    def wait_ready(self: _Process) -> _Process:
+        """Wait until the launched server answers /health; stopped, and EngineError, if it
+        exits or does not answer in time."""
         try:
             self._wait_healthy()
         except BaseException:
@@ -201,11 +212,7 @@ class EngineProcess(ABC):
             time.sleep(1.0)
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
+        return self.client().healthy()
 
     @abstractmethod
     def client(self) -> EngineClient:

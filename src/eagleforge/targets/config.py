@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -91,6 +91,53 @@ class SGLangConfig:
 
 
 @dataclass
+class ProducersConfig:
+    """The `target.producers` section: the vLLM engines that produce the target's hidden states
+    for target=vllm (``producers.py``). Training takes them as a stream -- no store on disk --
+    at most ``queue_batches`` batches ahead of its step; ``prepare`` spreads its capture over
+    them. See docs/streaming.md."""
+
+    # vLLM engines eagleforge starts (each its own process, sized by the `vllm` section); an
+    # engine that dies is started again and its work goes to the others meanwhile.
+    engines: int = 1
+    # Base URLs of capture servers already running (`python -m eagleforge.serve_target`), used
+    # instead of starting engines; a server that stops is waited for, its work goes to the others.
+    urls: list[str] = field(default_factory=list)
+    # Prompts in flight per producer at once (the engine batches them).
+    requests_per_producer: int = 64
+    # Batches produced ahead of the trainer at most (training: the bounded queue between the
+    # producers and the step; each holds its hidden states in memory).
+    queue_batches: int = 8
+    # Seconds a producer that stopped answering has to come back (started again, or its server
+    # up again) before it is given up; the run stops when every producer is given up.
+    recover_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("engines", "requests_per_producer", "queue_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"target.producers.{name} must be >= 1, got {getattr(self, name)}."
+                )
+        if self.recover_timeout_s <= 0:
+            raise ConfigError(
+                f"target.producers.recover_timeout_s must be > 0, got {self.recover_timeout_s}."
+            )
+        for index, url in enumerate(self.urls):
+            if not str(url).startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"target.producers.urls[{index}]={url!r}: give a capture server's base URL, "
+                    "e.g. http://10.0.0.2:8000."
+                )
+        if len(set(self.urls)) != len(self.urls):
+            raise ConfigError(f"target.producers.urls names a server twice: {list(self.urls)}.")
+        if self.urls and self.engines != 1:
+            raise ConfigError(
+                f"target.producers.engines={self.engines} with target.producers.urls: the servers "
+                "at the URLs are the producers and eagleforge starts none; unset one of them."
+            )
+
+
+@dataclass
 class TargetConfig:
     """The `target` config section: how the frozen target runs."""
 
@@ -103,11 +150,29 @@ class TargetConfig:
     teacher_chunk_size: int | None = None
     # Options of the SGLang backend (target=sglang).
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    # The engines that produce the target's states (target=vllm).
+    producers: ProducersConfig = field(default_factory=ProducersConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend != TargetBackendKind.vllm:
+            changed = [
+                f"target.producers.{f.name}"
+                for f in fields(ProducersConfig)
+                if getattr(self.producers, f.name) != getattr(ProducersConfig(), f.name)
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(changed)} applies to target=vllm only (the engines that "
+                    f"produce the target's states), and this run's target is "
+                    f"{self.backend.value}; remove it, or set target=vllm."
+                )
 
     def supports_packing(self) -> bool:
         """Packed rows need a block-diagonal mask, which these attention implementations take."""
         if self.backend == TargetBackendKind.custom:
             return True  # its SDPA always takes an explicit mask
+        if self.backend == TargetBackendKind.vllm:
+            return True  # each conversation is captured alone; rows are packed after
         return self.backend == TargetBackendKind.hf and self.attn_implementation in (
             "sdpa",
             "eager",

@@ -109,8 +109,9 @@ def _load_vllm(spec: LoadSpec, cfg: TargetConfig) -> TargetBackend:
         raise ConfigError("target.backend=vllm runs the whole target in vLLM; set parallel.tp=1.")
     model_dir = local_model_dir(spec.model_dir, spec.revision)
     return VLLMTarget(
-        model_dir, spec.dtype, spec.device, spec.engine, spec.engine_log, spec.aux_layer_ids
-    )
+        model_dir, spec.dtype, spec.device, spec.engine, spec.engine_log, spec.aux_layer_ids,
+        cfg.producers,
+    )  # fmt: skip
 
 
 LOADERS: dict[TargetBackendKind, Callable[[LoadSpec, TargetConfig], TargetBackend]] = {

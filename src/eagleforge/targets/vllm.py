@@ -1,13 +1,17 @@
-"""``target=vllm``: the vLLM engine as the target whose hidden states are captured.
+"""``target=vllm``: vLLM engines as the target whose hidden states are captured.
 
 vLLM serves the target with its ``extract_hidden_states`` speculative method and eagleforge's
-capture connector (``engine/capture_connector.py``, CPU-safe): every prompt of a batch goes to
-it as one request for a single token, all of a batch's requests in flight at once (the engine
-prefills them together: ``prepare.batch_size`` is how many it sees), and the connector writes
-the states of the prompt's tokens to a file, which ``forward`` reads back and deletes. vLLM collects a layer's *input*,
-so eagleforge's output-of-layer aux ids a are vLLM's a + 1, and the last layer's output is id N
-(before the final norm): the final state is that through the target's final RMSNorm, computed
-here as transformers' Llama / Qwen / Mistral norm computes it.
+capture connector (``engine/capture_connector.py``, CPU-safe): every prompt goes to an engine
+as one request for a single token, and the connector writes the states of the prompt's tokens
+to a file, which is read back, checked (its tokens, its layers) and deleted. vLLM collects a
+layer's *input*, so eagleforge's output-of-layer aux ids a are vLLM's a + 1, and the last
+layer's output is id N (before the final norm): the final state is that through the target's
+final RMSNorm, computed here as transformers' Llama / Qwen / Mistral norm computes it.
+
+The producers (``target.producers``) are engines eagleforge starts, or capture servers already
+running at URLs (``python -m eagleforge.serve_target``), behind one ``ProducerPool``: a batch's
+rows are in flight at once over all of them (the engines prefill them together), and training
+takes single prompts' states as a stream (``submit``; ``data/stream.py``).
 
 The embedding, lm_head and final norm come from the target's safetensors (``HeadOnlyTarget``).
 """
@@ -15,19 +19,33 @@ The embedding, lm_head and final norm come from the target's safetensors (``Head
 from __future__ import annotations
 
 import fcntl
+import functools
+import json
+import logging
 import os
+import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
+from eagleforge.engine.client import EngineRequestError, EngineUnreachable, VLLMClient
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.engine.server import EngineError, VLLMServer
 from eagleforge.errors import ConfigError
+from eagleforge.files import resolve_cache_dir
+from eagleforge.fingerprint import weights_fingerprint
 from eagleforge.targets.base import TargetOutput, refuse_images
+from eagleforge.targets.config import ProducersConfig
 from eagleforge.targets.head import HeadOnlyTarget
+from eagleforge.targets.producers import ProducerDown, ProducerPool
+
+log = logging.getLogger(__name__)
 
 CONNECTOR = "EagleforgeCaptureConnector"
 CONNECTOR_MODULE = "eagleforge.engine.capture_connector"
@@ -41,8 +59,164 @@ def capture_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
     return sorted({a + 1 for a in aux_layer_ids} | {num_layers})
 
 
+def capture_config(layer_ids: list[int], files: str) -> dict[str, dict[str, Any]]:
+    """The `vllm serve` settings of a capture engine: ``--speculative-config`` (vLLM's layer ids
+    ``layer_ids``) and ``--kv-transfer-config`` (the connector writing into ``files``)."""
+    return {
+        "speculative": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        },
+        "kv_transfer": {
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": files},
+        },
+    }
+
+
+def read_capture(path: str, ids: list[int], layer_ids: list[int], where: str) -> torch.Tensor:
+    """[T, L, H] of the prompt ``ids`` from the connector's file at ``path`` (deleted after),
+    checked: its tokens are the prompt's and its layers ``layer_ids``. ``where`` names the
+    producer in errors."""
+    if not os.path.exists(path + ".lock"):
+        raise ConfigError(
+            f"{where} wrote the states to {path}, which this machine cannot read; start the "
+            "server with its files on a filesystem both machines mount at the same path "
+            "(serve_target.files_dir)."
+        )
+    with open(path + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX while it writes
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            hidden_TLH, token_ids = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+    for name in (path, path + ".lock"):
+        os.unlink(name)
+    held = json.loads(metadata.get("layer_ids", "null"))
+    if held != layer_ids:
+        raise ConfigError(
+            f"{where} captures vLLM layers {held}, and this run needs {layer_ids} "
+            "(model.aux_layer_ids + 1, and the last layer); start it for this run's layers "
+            "(python -m eagleforge.serve_target with the run's model settings)."
+        )
+    if token_ids.tolist() != ids:
+        raise EngineError(
+            f"the capture file {path} of {where} holds other tokens than the prompt's"
+        )
+    return hidden_TLH
+
+
+class StartedEngine:
+    """A capture engine eagleforge runs as its own process (``server``, launched); started
+    again (``make``) when it dies."""
+
+    def __init__(self, index: int, server: VLLMServer, make: Callable[[], VLLMServer],
+                 layer_ids: list[int]) -> None:  # fmt: skip
+        self.name = f"engine {index}"
+        self.server, self._make, self.layer_ids = server, make, layer_ids
+        self.client = server.client()
+
+    def capture(self, ids: list[int]) -> torch.Tensor:
+        try:
+            done = self.client.complete(ids, max_tokens=1, extra={"kv_transfer_params": {}})
+        except EngineUnreachable as e:
+            raise ProducerDown(str(e)) from None
+        except EngineRequestError as e:  # an answer: the prompt's fault, unless the engine died
+            if not self.server.alive() or not self.client.healthy():
+                raise ProducerDown(str(e)) from None
+            raise
+        path = (done.kv_transfer_params or {}).get("hidden_states_path")
+        if not path:
+            raise EngineError(
+                f"{self.name} returned no hidden_states_path for a {len(ids)}-token prompt; its "
+                f"log: {self.server.log_path}"
+            )
+        return read_capture(path, ids, self.layer_ids, self.name)
+
+    def recover(self, deadline: float) -> None:
+        if self.server.alive() and self.client.healthy():
+            return  # a connection lost, not the engine
+        self.server.stop(grace_s=5.0)
+        if time.monotonic() >= deadline:
+            raise ProducerDown("no time left to start it again")
+        try:
+            # from the pool's worker, which lives as long as the pool: the engine outlives it
+            self.server = self._make().start()
+        except EngineError as e:
+            raise ProducerDown(f"starting it again failed: {e}") from None
+        self.client = self.server.client()
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class ServerAtURL:
+    """A capture server already running (``target.producers.urls``); waited for when it stops."""
+
+    def __init__(self, setting: str, url: str, timeout_s: float, layer_ids: list[int]) -> None:
+        self.name, self.setting, self.layer_ids = url, setting, layer_ids
+        self.client = VLLMClient(url, timeout_s)
+        if not self.client.healthy():
+            raise ConfigError(
+                f"{setting}={url} does not answer /health; start the capture server there "
+                "(python -m eagleforge.serve_target) or remove it from target.producers.urls."
+            )
+        served = self.client.served_model()
+        self.model, self.root = str(served.get("id")), str(served.get("root") or served.get("id"))
+
+    def check_weights(self, model_dir: Path, fingerprint: str, cache_dir: Path) -> None:
+        """ConfigError unless the server loaded the weights of ``model_dir`` (its
+        ``fingerprint``): the path it serves must be one this machine reads."""
+        root = Path(self.root)
+        if not root.is_dir():
+            raise ConfigError(
+                f"{self.setting}={self.name} serves {self.root}, which this machine cannot read, "
+                f"so its weights cannot be checked against model.path={model_dir}; serve the "
+                "target from a path both machines read (a shared filesystem)."
+            )
+        if root.resolve() != model_dir.resolve():
+            theirs = weights_fingerprint(root, cache_dir)
+            if theirs != fingerprint:
+                raise ConfigError(
+                    f"{self.setting}={self.name} serves {root} ({theirs}), other weights than "
+                    f"model.path={model_dir} ({fingerprint}); point it at the run's target or "
+                    "remove it."
+                )
+
+    def capture(self, ids: list[int]) -> torch.Tensor:
+        try:
+            done = self.client.complete(
+                ids, max_tokens=1, model=self.model, extra={"kv_transfer_params": {}}
+            )
+        except EngineUnreachable as e:
+            raise ProducerDown(str(e)) from None
+        except EngineRequestError as e:  # an answer: the prompt's fault, unless the server died
+            if not self.client.healthy():
+                raise ProducerDown(str(e)) from None
+            raise
+        path = (done.kv_transfer_params or {}).get("hidden_states_path")
+        if not path:
+            raise ConfigError(
+                f"{self.setting}={self.name} returned no hidden_states_path: it is not a capture "
+                "server (start it with python -m eagleforge.serve_target)."
+            )
+        return read_capture(path, ids, self.layer_ids, f"{self.setting}={self.name}")
+
+    def recover(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.client.healthy():
+                return
+            time.sleep(2.0)
+        raise ProducerDown("its /health did not answer again")
+
+    def close(self) -> None:
+        pass  # the server is not ours to stop
+
+
 class VLLMTarget(HeadOnlyTarget):
-    """The target served by vLLM for capture (see the module docstring)."""
+    """The target served by vLLM engines for capture (see the module docstring)."""
 
     forward_in_engine = True
 
@@ -54,7 +228,14 @@ class VLLMTarget(HeadOnlyTarget):
         engine: VLLMConfig,
         log_path: Path,
         aux_layer_ids: list[int] | None = None,
+        producers: ProducersConfig | None = None,
     ) -> None:
+        if engine.url:
+            raise ConfigError(
+                f"vllm.url={engine.url}: target=vllm needs capture servers (eagleforge's "
+                "connector), not a plain vLLM server; give running ones in "
+                "target.producers.urls, or unset vllm.url and eagleforge starts them."
+            )
         super().__init__(model_dir, dtype, device, aux_layer_ids)
         text = self.config.get_text_config()
         if text.model_type not in PLAIN_RMS_NORM:
@@ -63,59 +244,96 @@ class VLLMTarget(HeadOnlyTarget):
                 f"model_type {text.model_type} does not use; use target=hf for this model."
             )
         self.num_layers, self.eps = int(text.num_hidden_layers), float(text.rms_norm_eps)
+        self.hidden_size = int(text.hidden_size)
         self.layer_ids = capture_layer_ids(self.aux_layer_ids, self.num_layers)
+        self._aux_rows = [self.layer_ids.index(a + 1) for a in self.aux_layer_ids]
+        self._last_row = self.layer_ids.index(self.num_layers)
         norm = self.final_norm_weight()
         if norm is None:
             raise ConfigError(f"{model_dir}: no '*.norm.weight' in its safetensors files.")
         self._norm_H = norm.to(dtype).cpu()  # transformers: weight * normed.to(dtype)
-        self._files = Path(tempfile.mkdtemp(prefix="eagleforge-capture-"))
-        self.server = VLLMServer(
-            engine, model_dir, log_path, str(dtype).removeprefix("torch."),
-            speculative={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": self.layer_ids}
-                },
-            },
-            kv_transfer={
-                "kv_connector": CONNECTOR,
-                "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(self._files)},
-            },
-            name="vLLM (capture)",
-        ).start()  # fmt: skip
-        self.client = self.server.client()
+        cfg = producers or ProducersConfig()
+        if cfg.urls:
+            sources: list[Any] = self._servers_at(cfg, engine, model_dir)
+        else:
+            sources = self._start_engines(cfg.engines, engine, model_dir, dtype, log_path)
+        self.pool = ProducerPool(
+            sources, cfg.requests_per_producer, cfg.recover_timeout_s, convert=self._states
+        )
+
+    def _servers_at(
+        self, cfg: ProducersConfig, engine: VLLMConfig, model_dir: Path
+    ) -> list[ServerAtURL]:
+        servers = [
+            ServerAtURL(
+                f"target.producers.urls[{i}]", url, engine.request_timeout_s, self.layer_ids
+            )
+            for i, url in enumerate(cfg.urls)
+        ]
+        cache = resolve_cache_dir(None)
+        fingerprint = weights_fingerprint(model_dir, cache)
+        for server in servers:
+            server.check_weights(model_dir, fingerprint, cache)
+            server.capture([0, 1])  # its layers, and files this machine reads
+        return servers
+
+    def _start_engines(
+        self, count: int, engine: VLLMConfig, model_dir: Path, dtype: torch.dtype, log_path: Path
+    ) -> list[StartedEngine]:
+        """``count`` engines, started at once (each logs beside ``log_path``: vllm.log,
+        vllm-1.log, ...), each writing into a directory of its own."""
+        self._files = [Path(tempfile.mkdtemp(prefix="eagleforge-capture-")) for _ in range(count)]
+
+        def make(index: int) -> VLLMServer:
+            settings = capture_config(self.layer_ids, str(self._files[index]))
+            suffix = f"-{index}" if index else ""
+            return VLLMServer(
+                engine, model_dir, log_path.with_name(f"{log_path.stem}{suffix}{log_path.suffix}"),
+                str(dtype).removeprefix("torch."), settings["speculative"],
+                settings["kv_transfer"], name=f"vLLM (capture, engine {index})",
+            )  # fmt: skip
+
+        # launched here, one after another (this thread outlives them), and all start at once
+        servers: list[VLLMServer] = []
+        try:
+            for index in range(count):
+                servers.append(make(index).launch())
+            for server in servers:
+                server.wait_ready()
+        except BaseException:
+            for server in servers:
+                server.stop()
+            self._remove_files()
+            raise
+        return [
+            StartedEngine(i, server, functools.partial(make, i), self.layer_ids)
+            for i, server in enumerate(servers)
+        ]
+
+    def _remove_files(self) -> None:
+        for files in getattr(self, "_files", []):
+            shutil.rmtree(files, ignore_errors=True)
 
     def close(self) -> None:
-        """Stop the engine and remove what it wrote."""
-        self.server.stop()
-        for leftover in self._files.glob("*"):
-            leftover.unlink()
-        self._files.rmdir()
+        """Stop the engines and remove what they wrote."""
+        self.pool.close()
+        self._remove_files()
+
+    def producer_records(self) -> list[dict[str, Any]]:
+        """What each producer did so far (``ProducerRecord``)."""
+        return self.pool.records()
 
     def packing_blocker(self) -> str | None:
-        return "target.backend=vllm sends each row to vLLM as one sequence"
+        return None  # rows are captured sample by sample; packed ones are refused in forward
 
-    def _capture(self, ids: list[int]) -> torch.Tensor:
-        """[T, len(layer_ids), H] of one prompt, read back from the connector's file."""
-        done = self.client.complete(ids, max_tokens=1, extra={"kv_transfer_params": {}})
-        path = (done.kv_transfer_params or {}).get("hidden_states_path")
-        if not path:
-            raise EngineError(
-                f"the capture engine returned no hidden_states_path for a {len(ids)}-token "
-                f"prompt; its log: {self.server.log_path}"
-            )
-        with open(path + ".lock") as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX while it writes
-            states = load_file(path)
-        for name in (path, path + ".lock"):
-            os.unlink(name)
-        hidden_TLH = states["hidden_states"]
-        if states["token_ids"].tolist() != ids:
-            raise EngineError(f"the capture file {path} holds other tokens than the prompt's")
-        return hidden_TLH
+    def _states(self, hidden_TLH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """aux [T, 3H] and final [T, H] (through the final norm) of one prompt's capture."""
+        aux_TA = hidden_TLH[:, self._aux_rows].flatten(1).to(self._dtype)
+        return aux_TA, self._final_norm(hidden_TLH[:, self._last_row]).to(self._dtype)
+
+    def submit(self, ids: list[int]) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+        """The future of one prompt's aux [T, 3H] and final [T, H] states (training's stream)."""
+        return self.pool.submit(ids)
 
     def forward(
         self,
@@ -127,25 +345,24 @@ class VLLMTarget(HeadOnlyTarget):
         image_grid_thw: torch.Tensor | None = None,
     ) -> TargetOutput:
         refuse_images("vllm", pixel_values, image_grid_thw)
+        if document_ids_BT is not None:
+            raise ConfigError(
+                "target.backend=vllm captures one conversation per request, not packed rows; "
+                "training packs the captured samples itself (data.packing=true)."
+            )
         rows = [
             ids[mask.bool()].tolist()
             for ids, mask in zip(input_ids_BT.cpu(), attention_mask_BT.cpu(), strict=True)
         ]
-        # a thread per row: every row is in flight at once, and the engine prefills them together
-        with ThreadPoolExecutor(len(rows)) as pool:
-            captured = list(pool.map(self._capture, rows))
+        # every row in flight at once, over every producer: the engines prefill them together
+        captured = [self.submit(row) for row in rows]
         batch, seq = input_ids_BT.shape
-        hidden = self.config.get_text_config().hidden_size
-        aux_rows = [self.layer_ids.index(a + 1) for a in self.aux_layer_ids]
-        aux_BTA = torch.zeros(batch, seq, len(aux_rows) * hidden, dtype=self._dtype)
-        final_BTH = torch.zeros(batch, seq, hidden, dtype=self._dtype)
-        last = self.layer_ids.index(self.num_layers)
-        for b, states_TLH in enumerate(captured):
+        aux_BTA = torch.zeros(batch, seq, len(self._aux_rows) * self.hidden_size, dtype=self._dtype)
+        final_BTH = torch.zeros(batch, seq, self.hidden_size, dtype=self._dtype)
+        for b, future in enumerate(captured):
             where = attention_mask_BT[b].cpu().bool()
-            aux_BTA[b, where] = states_TLH[:, aux_rows].flatten(1).to(self._dtype)
-            final_BTH[b, where] = self._final_norm(states_TLH[:, last]).to(self._dtype)
-        device = self._device
-        return TargetOutput(aux_BTA.to(device), final_BTH.to(device))
+            aux_BTA[b, where], final_BTH[b, where] = future.result()
+        return TargetOutput(aux_BTA.to(self._device), final_BTH.to(self._device))
 
     def _final_norm(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """transformers' LlamaRMSNorm: in fp32, cast back before the weight."""
