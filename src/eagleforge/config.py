@@ -32,7 +32,7 @@ from eagleforge.parallel import DeviceKind, ParallelConfig
 from eagleforge.profiling import ProfileConfig
 from eagleforge.regeneration.config import RegenerateConfig
 from eagleforge.speculative.config import EvalConfig
-from eagleforge.targets.config import TargetBackendKind, TargetConfig
+from eagleforge.targets.config import ServeTargetConfig, TargetBackendKind, TargetConfig
 from eagleforge.targets.source import ModelConfig
 from eagleforge.tracking import TrackerConfig
 from eagleforge.trainer import TrainerConfig
@@ -76,6 +76,8 @@ class EagleForgeConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     # The vLLM engine: judge (eval.engine=vllm), data engine (regenerate.backend=vllm), target.
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    # A capture server for training runs elsewhere (python -m eagleforge.serve_target).
+    serve_target: ServeTargetConfig = field(default_factory=ServeTargetConfig)
     # llama.cpp's llama-server: judge of GGUF drafts (eval.engine=llamacpp).
     llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
     # Seed of weights init, data split and shuffling.

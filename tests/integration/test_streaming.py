@@ -1,0 +1,196 @@
+"""Training streamed from running producers (target=vllm, docs/streaming.md), with stand-in
+capture engines (tests/helpers/fake_vllm.py: the same states for a prompt every time): one
+engine, two, and two of which one dies mid-run train the same steps bit for bit, as a store
+of the same states does; a resumed run continues from its data position bit for bit; servers
+at URLs (``eagleforge.serve_target``) feed a run as started engines do, and one that serves
+other layers or weights, or does not answer, is refused in one line; settings that do not
+apply are refused. The real engine's tier: tests/engine/test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagleforge.config import compose_config, to_typed
+from eagleforge.errors import ConfigError
+from helpers.fake_vllm import fake_python
+from helpers.runs import prepare_store, start_from, tiny_run_overrides, train_on_rank, weights
+
+pytestmark = pytest.mark.integration
+
+DATA = ("data.max_num_samples=40", "data.num_eval_samples=4", "data.max_length=64")
+RUN = (*DATA, "trainer.max_num_steps=4", "draft.ttt_length=2", "trainer.eval_at_start=false")
+
+
+@pytest.fixture
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The stand-in engine as vllm.python."""
+    monkeypatch.delenv("FAKE_VLLM_DIE_ONCE", raising=False)
+    return f"vllm.python={fake_python(tmp_path)}"
+
+
+def streamed(tmp_path: Path, name: str, engine: str, *extra: str) -> tuple[list[float], Path]:
+    run = tmp_path / name
+    losses, _, _ = train_on_rank(
+        0,
+        tiny_run_overrides(
+            run, *RUN, "target=vllm", engine, "trainer.save_every_n_steps=2", *extra
+        ),  # fmt: skip
+    )
+    return losses, run / "run"
+
+
+def records(run: Path) -> list[dict]:  # type: ignore[type-arg]
+    return json.loads((run / "producers.json").read_text())
+
+
+def test_engines_and_an_engine_that_dies_train_the_same_steps(
+    tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever produced each sample, the trainer got every sample once, in the planned order:
+    the same losses and weights bit for bit; producers.json says who fed the run."""
+    one, one_run = streamed(tmp_path, "one", engine)
+    two, two_run = streamed(tmp_path, "two", engine, "target.producers.engines=2")
+    monkeypatch.setenv("FAKE_VLLM_DIE_ONCE", str(tmp_path / "died"))
+    monkeypatch.setenv("FAKE_VLLM_DIE_AFTER", "25")
+    dies, dies_run = streamed(tmp_path, "dies", engine, "target.producers.engines=2")
+    assert (tmp_path / "died").exists()  # an engine was killed mid-run
+    assert one == two == dies and len(one) == 4
+    final = weights(one_run / "checkpoints" / "step_00000004")
+    for run in (two_run, dies_run):
+        other = weights(run / "checkpoints" / "step_00000004")
+        assert all(torch.equal(final[k], other[k]) for k in final)
+    [single] = records(one_run)
+    samples = single["producers"][0]["samples"]
+    assert single["first_step"] == 0 and single["last_step"] == 4
+    assert [p["name"] for p in single["producers"]] == ["engine 0"]
+    for run in (two_run, dies_run):
+        [part] = records(run)
+        assert [p["name"] for p in part["producers"]] == ["engine 0", "engine 1"]
+        assert sum(p["samples"] for p in part["producers"]) == samples  # none twice, none lost
+    recovered = [p for p in records(dies_run)[0]["producers"] if p["recoveries"]]
+    assert len(recovered) == 1 and recovered[0]["given_up"] is None
+    assert (dies_run / "vllm.log").is_file() and (dies_run / "vllm-1.log").is_file()
+
+
+def test_a_stream_trains_as_a_store_of_the_same_states(tmp_path: Path, engine: str) -> None:
+    """Packed rows from the stream are the rows a feature store of the same states gives:
+    the same losses bit for bit (prepare captures through the same engines, two of them)."""
+    data = ("+model=tiny", "data=chitchat", *DATA)
+    store = prepare_store(tmp_path / "prep", *data, "target=vllm", engine,
+                          "target.producers.engines=2")  # fmt: skip
+    offline, _, _ = train_on_rank(
+        0, tiny_run_overrides(tmp_path / "offline", *RUN, f"data.features={store}")
+    )
+    stream, _ = streamed(tmp_path, "stream", engine, "data.packing=true")
+    assert stream == offline
+
+
+def test_a_resumed_stream_continues_from_its_data_position(tmp_path: Path, engine: str) -> None:
+    whole, whole_run = streamed(tmp_path, "whole", engine)
+    resumed_dir = tmp_path / "resumed" / "run"
+    start_from(whole_run / "checkpoints" / "step_00000002", resumed_dir)
+    resumed, resumed_run = streamed(tmp_path, "resumed", engine)
+    assert resumed == whole[2:]
+    final, other = (weights(r / "checkpoints" / "step_00000004") for r in (whole_run, resumed_run))
+    assert all(torch.equal(final[k], other[k]) for k in final)
+    [part] = records(resumed_run)
+    assert (part["first_step"], part["last_step"]) == (2, 4)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
+def serve(servers: list[subprocess.Popen[str]], tmp_path: Path, name: str, *extra: str) -> str:
+    """A capture server (``eagleforge.serve_target`` over the stand-in engine); its URL."""
+    from eagleforge.engine.server import free_port
+
+    port = free_port()
+    out = tmp_path / f"{name}.out"
+    command = [sys.executable, "-m", "eagleforge.serve_target", "+model=tiny",
+               f"vllm.python={fake_python(tmp_path)}", f"serve_target.port={port}",
+               f"serve_target.files_dir={tmp_path / 'shared'}", *extra]  # fmt: skip
+    with out.open("w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    servers.append(proc)
+    deadline = time.monotonic() + 120
+    while "ready: train with" not in out.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+        time.sleep(0.2)
+    assert f"'target.producers.urls=[http://127.0.0.1:{port}]'" in out.read_text()
+    return f"http://127.0.0.1:{port}"
+
+
+def test_servers_at_urls_feed_a_run_as_started_engines_do(
+    tmp_path: Path, engine: str, servers: list[subprocess.Popen[str]]
+) -> None:
+    urls = [serve(servers, tmp_path, f"server{i}") for i in range(2)]
+    started, _ = streamed(tmp_path, "started", engine)
+    fed, run = streamed(tmp_path, "urls", engine, f"target.producers.urls=[{','.join(urls)}]")
+    assert fed == started
+    [part] = records(run)
+    assert [p["name"] for p in part["producers"]] == urls
+    assert not list((tmp_path / "shared").glob("*.safetensors"))  # each read, then deleted
+    assert all(proc.poll() is None for proc in servers)  # not ours to stop
+
+
+def test_servers_that_do_not_fit_the_run_are_refused_in_one_line(
+    tmp_path: Path, engine: str, servers: list[subprocess.Popen[str]]
+) -> None:
+    from eagleforge.engine.server import free_port
+
+    other_layers = serve(servers, tmp_path, "layers", "model.aux_layer_ids=[0,1,2]")
+    other_weights = serve(servers, tmp_path, "weights", "model.random.seed=7")
+    silent = f"http://127.0.0.1:{free_port()}"
+    for url, said in [
+        (other_layers, rf"^target.producers.urls\[0\]={other_layers} captures vLLM layers "
+                       r"\[1, 2, 3, 6\], and this run needs \[2, 3, 5, 6\]"),
+        (other_weights, rf"^target.producers.urls\[0\]={other_weights} serves .*, other weights "
+                        r"than model.path="),
+        (silent, rf"^target.producers.urls\[0\]={silent} does not answer /health"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=said):
+            streamed(tmp_path, f"refused{len(said)}", engine, f"target.producers.urls=[{url}]")
+
+
+def test_producer_settings_that_do_not_apply_are_refused() -> None:
+    base = ["+model=tiny", "output_dir=/tmp/unused"]
+    with pytest.raises(ConfigError, match=r"^target.producers.engines applies to target=vllm"):
+        to_typed(compose_config([*base, "target=hf", "target.producers.engines=2"]))
+    with pytest.raises(ConfigError, match=r"^target.producers.engines=2 with target.producers"):
+        to_typed(compose_config([*base, "target=vllm", "target.producers.engines=2",
+                                 "target.producers.urls=[http://a:1]"]))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^vllm.url=http://a:1: target=vllm needs capture"):
+        from eagleforge.targets.vllm import VLLMTarget
+
+        VLLMTarget.__init__(
+            object.__new__(VLLMTarget), Path("/m"), torch.float32, torch.device("cpu"),
+            to_typed(compose_config([*base, "vllm.url=http://a:1"])).vllm, Path("/l"),
+        )  # fmt: skip
+
+
+def test_prepare_refuses_the_training_queue(tmp_path: Path, engine: str) -> None:
+    from eagleforge.prepare import run as prepare
+
+    config = to_typed(compose_config(["+model=tiny", "data=chitchat", *DATA, "target=vllm", engine,
+                                      "target.producers.queue_batches=2",
+                                      f"prepare.output_dir={tmp_path / 'f'}",
+                                      f"output_dir={tmp_path / 'p'}"]))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^target.producers.queue_batches=2 sizes training"):
+        prepare(config)
+    assert not (tmp_path / "f").exists()
