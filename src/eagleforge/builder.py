@@ -310,9 +310,12 @@ class TrainBatches:
         """Stop what the target runs outside this process (target=vllm: its engine)."""
         release(self.inputs.target)
 
-    def _loader(self, dataset: Any, shuffle_seed: int | None, start: int = 0) -> Loader:
-        """The batches of ``dataset``: read (a store, or the target run in each step), or,
-        where the target's producers stream its states (target=vllm), from them."""
+    def _loader(
+        self, dataset: Any, shuffle_seed: int | None, start: int = 0, limit: int | None = None
+    ) -> Loader:
+        """The batches of ``dataset`` after ``start`` (at most ``limit``): read (a store, or
+        the target run in each step), or, where the target's producers stream its states
+        (target=vllm), from them."""
         plan = plan_batches(
             dataset,
             self.packing,
@@ -325,6 +328,7 @@ class TrainBatches:
             start=start,
             processor=self.inputs.processor,
         )
+        plan.batches = plan.batches[:limit]
         submit = getattr(self.inputs.target, "submit", None)
         if submit is None:
             return plan.loader()
@@ -335,8 +339,8 @@ class TrainBatches:
         records = getattr(self.inputs.target, "producer_records", None)
         return records() if records is not None else None
 
-    def train_loader(self, epoch: int, start: int = 0) -> Loader:
-        return self._loader(self.inputs.train, self.seed * 1_000_003 + epoch, start)
+    def train_loader(self, epoch: int, start: int = 0, limit: int | None = None) -> Loader:
+        return self._loader(self.inputs.train, self.seed * 1_000_003 + epoch, start, limit)
 
     def eval_loader(self) -> Loader | None:
         if self.inputs.eval is None:

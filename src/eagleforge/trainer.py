@@ -262,8 +262,9 @@ class Loader(Protocol):
 class BatchSource(Protocol):
     """Where the trainer's micro-batches come from (``builder.TrainBatches``)."""
 
-    def train_loader(self, epoch: int, start: int = 0) -> Loader:
-        """This rank's batches of ``epoch`` in its seeded order, after ``start`` global ones."""
+    def train_loader(self, epoch: int, start: int = 0, limit: int | None = None) -> Loader:
+        """This rank's batches of ``epoch`` in its seeded order, after ``start`` global ones;
+        at most ``limit`` of them (the run needs no more: a stream produces no more)."""
         ...
 
     def eval_loader(self) -> Loader | None:
@@ -348,7 +349,8 @@ class Trainer:
         """Micro-batches forever, epoch after epoch, each epoch in its own seeded order; a
         resumed run starts after the batches its epoch had already used."""
         while True:
-            loader = self.batches.train_loader(self.epoch, self.epoch_start)
+            left = (self.max_num_steps - self.step) * self.cfg.grad_accum_steps
+            loader = self.batches.train_loader(self.epoch, self.epoch_start, left)
             for batch in loader:
                 self.batches_into_epoch += 1
                 yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

@@ -208,31 +208,78 @@ def test_capture_through_vllm_matches_the_hf_capture(engine_env: Path, tmp_path:
     assert losses["vllm"] == pytest.approx(losses["hf"], rel=1e-3)
 
 
-def test_online_training_with_vllm_as_the_target(engine_env: Path, tmp_path: Path) -> None:
-    """target=vllm online: the engine feeds every step's batch (one request a row), the
-    losses of 3 steps within 1% of the hf target's, its log in the run directory, and the
-    engine stopped when training ends."""
-    from helpers.runs import tiny_run_overrides, train_on_rank
+def test_training_streams_from_engines_one_of_which_is_killed_and_resumes(
+    engine_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """target=vllm online streams from two engines (docs/streaming.md). Engine 1 is killed
+    (SIGKILL, its process group) at its 3rd capture: its prompts go to engine 0, the run goes
+    on while engine 1 is started again, and every sample is captured once (producers.json). The 4 steps' losses are within
+    1% of the hf target's on the same rows; a run resumed from step 2 on one engine goes on
+    from the data position with steps 3-4 within 1e-3 (vLLM batches concurrent prompts as they
+    come, so captures agree in fp32 to rounding, not bit for bit); no engine process is left."""
+    import os
+    import signal
+    from collections import Counter
+    from concurrent.futures import Future
+
+    from eagleforge.targets.vllm import StartedEngine, VLLMTarget
+    from helpers.runs import start_from, tiny_run_overrides, train_on_rank
 
     data = ("+model=smollm2", "model.dtype=float32", "data=chitchat", "data.max_num_samples=24",
-            "data.num_eval_samples=2", "data.max_length=96", "data.packing=false")  # fmt: skip
-    losses = {}
-    for backend in ("hf", "vllm"):
-        run = tmp_path / backend
-        overrides = tiny_run_overrides(run, *data, f"target={backend}", *ENGINE_OVERRIDES,
-                                       "trainer.max_num_steps=3", "draft.ttt_length=2")  # fmt: skip
-        losses[backend] = train_on_rank(0, overrides)[0]
-    assert len(losses["vllm"]) == 3
-    assert losses["vllm"] == pytest.approx(losses["hf"], rel=0.01)
-    log = (tmp_path / "vllm" / "run" / "vllm.log").read_text()
-    assert "extract_hidden_states" in log
-    port = re.search(r"--port (\d+)", log)
-    assert port is not None
+            "data.num_eval_samples=2", "data.max_length=96", "data.packing=false",
+            "trainer.max_num_steps=4", "draft.ttt_length=2", "trainer.eval_at_start=false",
+            "trainer.batch_size=4", "trainer.save_every_n_steps=2")  # fmt: skip
+    capture, calls = StartedEngine.capture, {"engine 1": 0}
+    delivered: list[tuple[int, ...]] = []  # the prompts whose states came back
+
+    def killing(self: StartedEngine, ids: list[int]) -> torch.Tensor:
+        if self.name in calls:
+            calls[self.name] += 1
+            if calls[self.name] == 3 and self.server.proc is not None:
+                os.killpg(self.server.proc.pid, signal.SIGKILL)
+        states = capture(self, ids)
+        delivered.append(tuple(ids))
+        return states
+
+    submit, asked = VLLMTarget.submit, []  # the prompts the run's batches asked for
+
+    def asking(self: VLLMTarget, ids: list[int]) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+        asked.append(tuple(ids))
+        return submit(self, ids)
+
+    monkeypatch.setattr(StartedEngine, "capture", killing)
+    monkeypatch.setattr(VLLMTarget, "submit", asking)
+    runs = {name: tmp_path / name for name in ("hf", "vllm", "resumed")}
+    hf = train_on_rank(0, tiny_run_overrides(runs["hf"], *data, "target=hf"))[0]
+    vllm = train_on_rank(0, tiny_run_overrides(
+        runs["vllm"], *data, "target=vllm", *ENGINE_OVERRIDES, "target.producers.engines=2"
+    ))[0]  # fmt: skip
+    assert vllm == pytest.approx(hf, rel=0.01) and len(vllm) == 4
+    [part] = json.loads((runs["vllm"] / "run" / "producers.json").read_text())
+    producers = {p["name"]: p for p in part["producers"]}
+    # engine 1 stopped with prompts in flight, which engine 0 took; it was being started again
+    # (or was back) when the run ended
+    assert producers["engine 1"]["handed_on"] >= 1 and producers["engine 1"]["given_up"] is None
+    # each prompt of the 4 steps and the final eval captured once, and recorded
+    assert Counter(delivered) == Counter(asked) and len(asked) >= 4 * 3
+    assert sum(p["samples"] for p in producers.values()) == len(delivered)
+    start_from(runs["vllm"] / "run" / "checkpoints" / "step_00000002", runs["resumed"] / "run")
+    monkeypatch.setattr(StartedEngine, "capture", capture)
+    resumed = train_on_rank(
+        0, tiny_run_overrides(runs["resumed"], *data, "target=vllm", *ENGINE_OVERRIDES)
+    )[0]
+    assert resumed == pytest.approx(vllm[2:], rel=1e-3)
+    logs = [runs["vllm"] / "run" / "vllm.log", runs["vllm"] / "run" / "vllm-1.log",
+            runs["resumed"] / "run" / "vllm.log"]  # fmt: skip
+    assert "extract_hidden_states" in logs[0].read_text()
+    ports = [port for log in logs for port in re.findall(r"--port (\d+)", log.read_text())]
+    assert len(ports) == 4  # engine 1 started twice (stopped by the run's end, or back)
     assert (
-        not [  # no process of that engine is left
+        not [  # no process of those engines is left
             proc
             for proc in Path("/proc").glob("[0-9]*/cmdline")
-            if f"--port\0{port.group(1)}\0".encode() in _read(proc)
+            for port in ports
+            if f"--port\0{port}\0".encode() in _read(proc)
         ]
     )
 

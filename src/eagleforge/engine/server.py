@@ -192,10 +192,12 @@ class EngineProcess(ABC):
         return self
 
     def _wait_healthy(self) -> None:
-        assert self.proc is not None
         started = time.monotonic()
         while True:
-            status = self.proc.poll()
+            proc = self.proc
+            if proc is None:  # stop() from another thread: the run is ending
+                raise EngineError(f"{self.name} was stopped while starting")
+            status = proc.poll()
             if status is not None:
                 raise EngineError(
                     f"{self.name} exited with status {status} while starting ({_last_error(self.log_path)}); "

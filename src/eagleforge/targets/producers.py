@@ -94,10 +94,12 @@ class ProducerPool:
         self._closed = False
         self._down = [False] * len(self.producers)  # recovering or given up
         self._records = [ProducerRecord(p.name) for p in self.producers]
+        # started producer by producer in turn: idle workers take jobs in the order they began
+        # to wait, so the producers share even a few jobs, instead of the first taking them all
         self._workers = [
             threading.Thread(target=self._work, args=(i,), daemon=True, name=f"{p.name} {w}")
-            for i, p in enumerate(self.producers)
             for w in range(requests_per_producer)
+            for i, p in enumerate(self.producers)
         ]
         for worker in self._workers:
             worker.start()
@@ -174,7 +176,9 @@ class ProducerPool:
         )  # fmt: skip
         try:
             producer.recover(time.monotonic() + self.recover_timeout_s)
-        except ProducerDown as e:
+        except Exception as e:  # noqa: BLE001 - ProducerDown, or a bug: given up either way
+            if not isinstance(e, ProducerDown):
+                log.exception("bringing %s back failed", producer.name)
             with self._ready:
                 record.given_up = str(e)
                 failed = self._all_given_up() and not self._closed

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -117,6 +118,7 @@ class StartedEngine:
         self.name = f"engine {index}"
         self.server, self._make, self.layer_ids = server, make, layer_ids
         self.client = server.client()
+        self._lock, self._closed = threading.Lock(), False
 
     def capture(self, ids: list[int]) -> torch.Tensor:
         try:
@@ -141,14 +143,21 @@ class StartedEngine:
         self.server.stop(grace_s=5.0)
         if time.monotonic() >= deadline:
             raise ProducerDown("no time left to start it again")
+        with self._lock:
+            if self._closed:
+                raise ProducerDown("the run is ending")
+            # launched from the pool's worker, which outlives it; in self.server at once, so
+            # that close() stops it even while it starts
+            self.server = self._make().launch()
         try:
-            # from the pool's worker, which lives as long as the pool: the engine outlives it
-            self.server = self._make().start()
+            self.server.wait_ready()
         except EngineError as e:
             raise ProducerDown(f"starting it again failed: {e}") from None
         self.client = self.server.client()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self.server.stop()
 
 
