@@ -110,6 +110,7 @@ RESUMABLE = (
     "prepare",
     "export",
     "regenerate",
+    "serve_target",
 )
 
 # What defines the run: the target, the data, the draft, its loss, the optimizer's kind and

@@ -149,7 +149,8 @@ class ProducerPool:
                 result = self.convert(producer.capture(job.ids))
             except ProducerDown as e:
                 with self._ready:
-                    if self._closed:
+                    if self._closed:  # its producer was stopped by close(): nobody takes it on
+                        job.future.set_exception(EngineError(f"{producer.name} was stopped"))
                         return
                     self._jobs.appendleft(job)
                     record.handed_on += 1
