@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import functools
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -45,8 +44,6 @@ from eagleforge.targets.base import TargetOutput, refuse_images
 from eagleforge.targets.config import ProducersConfig
 from eagleforge.targets.head import HeadOnlyTarget
 from eagleforge.targets.producers import ProducerDown, ProducerPool
-
-log = logging.getLogger(__name__)
 
 CONNECTOR = "EagleforgeCaptureConnector"
 CONNECTOR_MODULE = "eagleforge.engine.capture_connector"
