@@ -3,6 +3,7 @@ engine's own speculative-decoding counters from its Prometheus ``/metrics``."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import re
@@ -151,7 +152,9 @@ class EngineClient(ABC):
                 return bytes(response.read())
         except urllib.error.HTTPError as e:
             raise EngineRequestError(http_error_summary(e, f"{self._where()}/{path}")) from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        # HTTPException: the answer broke off (IncompleteRead: the server died while answering)
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError,
+                http.client.HTTPException) as e:  # fmt: skip
             raise EngineUnreachable(
                 f"the engine at {self._where()} did not answer /{path}: {getattr(e, 'reason', e)}"
             ) from None

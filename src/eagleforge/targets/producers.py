@@ -178,6 +178,8 @@ class ProducerPool:
         try:
             producer.recover(time.monotonic() + self.recover_timeout_s)
         except Exception as e:  # noqa: BLE001 - ProducerDown, or a bug: given up either way
+            if self._closed:
+                return  # the run is ending: stopped while it was being brought back
             if not isinstance(e, ProducerDown):
                 log.exception("bringing %s back failed", producer.name)
             with self._ready:
