@@ -216,6 +216,17 @@ def test_fp8_store_is_a_quarter_of_fp32_and_trains(tmp_path: Path, store: Path) 
     assert result.step == 3 and all(torch.isfinite(torch.tensor(result.train_losses)))
 
 
+def test_an_fp8_store_of_a_bf16_capture_reads_back_in_bf16_and_trains(tmp_path: Path) -> None:
+    """A bf16 target's fp8 store gives its states back in bf16, as its lossless store would:
+    the teacher's matmul takes them with the bf16 lm_head (fp32 states failed there)."""
+    bf16 = "model.dtype=bfloat16"
+    compact = _prepare(tmp_path, tmp_path / "fp8", "prepare.compress=fp8", bf16)
+    _, _, aux, final = FeatureDataset(compact / "train")[0]
+    assert aux.dtype == final.dtype == torch.bfloat16
+    result = _train(tmp_path, "fp8-bf16-run", f"data.features={compact}", bf16)
+    assert result.step == 3 and all(torch.isfinite(torch.tensor(result.train_losses)))
+
+
 def test_ranks_capture_disjoint_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun (RANK/WORLD_SIZE) each rank writes every WORLD_SIZE-th shard; together
     they complete the store."""

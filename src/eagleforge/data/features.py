@@ -478,8 +478,11 @@ class FeatureDataset(torch.utils.data.Dataset):
         handle = self._open(shard)
         aux, final = handle.get_slice("aux")[start:end], handle.get_slice("final")[start:end]
         if self.manifest.compress == Compression.fp8.value:
-            aux = dequantize_fp8(aux, handle.get_slice("aux_scale")[start:end])
-            final = dequantize_fp8(final, handle.get_slice("final_scale")[start:end])
+            # back in the dtype they were captured in, as a lossless store gives them (the
+            # teacher's matmul takes them with the lm_head in that dtype)
+            dtype = getattr(torch, self.manifest.dtype)
+            aux = dequantize_fp8(aux, handle.get_slice("aux_scale")[start:end]).to(dtype)
+            final = dequantize_fp8(final, handle.get_slice("final_scale")[start:end]).to(dtype)
         sample = (
             handle.get_slice("input_ids")[start:end].tolist(),
             handle.get_slice("loss_mask")[start:end].tolist(),
