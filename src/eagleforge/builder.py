@@ -327,8 +327,8 @@ class TrainBatches:
             num_shards=self.world.dims.data_shards,
             start=start,
             processor=self.inputs.processor,
+            limit=limit,
         )
-        plan.batches = plan.batches[:limit]
         submit = getattr(self.inputs.target, "submit", None)
         if submit is None:
             return plan.loader()

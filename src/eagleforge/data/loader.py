@@ -62,6 +62,7 @@ def plan_batches(
     num_shards: int = 1,
     start: int = 0,
     processor: VisionProcessor | None = None,
+    limit: int | None = None,
 ) -> BatchPlan:
     """Batches of ``batch_size`` padded samples, or with ``packing`` one row of whole samples
     up to ``max_tokens_per_batch`` tokens per batch.
@@ -70,6 +71,7 @@ def plan_batches(
     ``start``: leave out the order's first ``start`` batches (already used by a resumed run).
     ``shard`` of ``num_shards`` (data-parallel ranks): see ``shard_batches``.
     ``processor``: loads the images of vision-language samples (not with ``packing``).
+    ``limit``: at most this many of this shard's batches (what the run still needs).
     """
     order = list(range(len(dataset)))
     if shuffle_seed is not None:
@@ -90,7 +92,7 @@ def plan_batches(
     if num_shards > 1:
         batches = shard_batches(batches, shard, num_shards)
         dataset = _WithFillers(dataset)
-    return BatchPlan(dataset, batches, collate, shuffle_seed or 0)
+    return BatchPlan(dataset, batches[:limit], collate, shuffle_seed or 0)
 
 
 def make_loader(*args: Any, **kwargs: Any) -> torch.utils.data.DataLoader:

@@ -34,7 +34,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagleforge.engine.client import EngineRequestError, EngineUnreachable, VLLMClient
+from eagleforge.engine.client import (
+    SERVED_NAME,
+    EngineRequestError,
+    EngineUnreachable,
+    VLLMClient,
+)
 from eagleforge.engine.config import VLLMConfig
 from eagleforge.engine.server import EngineError, VLLMServer
 from eagleforge.errors import ConfigError
@@ -106,6 +111,25 @@ def read_capture(path: str, ids: list[int], layer_ids: list[int], where: str) ->
     return hidden_TLH
 
 
+def request_capture(
+    client: VLLMClient, ids: list[int], model: str, alive: Callable[[], bool]
+) -> str | None:
+    """Ask the capture server behind ``client`` for the prompt ``ids``: the path of its states'
+    file (None where the answer names none). ProducerDown where the server does not answer,
+    or answers an error while its process is not ``alive`` or its /health fails; any other
+    error answer is the prompt's own."""
+    try:
+        done = client.complete(ids, max_tokens=1, model=model, extra={"kv_transfer_params": {}})
+    except EngineUnreachable as e:
+        raise ProducerDown(str(e)) from None
+    except EngineRequestError as e:
+        if not alive() or not client.healthy():
+            raise ProducerDown(str(e)) from None
+        raise
+    path = (done.kv_transfer_params or {}).get("hidden_states_path")
+    return str(path) if path else None
+
+
 class StartedEngine:
     """A capture engine eagleforge runs as its own process (``server``, launched); started
     again (``make``) when it dies."""
@@ -118,15 +142,7 @@ class StartedEngine:
         self._lock, self._closed = threading.Lock(), False
 
     def capture(self, ids: list[int]) -> torch.Tensor:
-        try:
-            done = self.client.complete(ids, max_tokens=1, extra={"kv_transfer_params": {}})
-        except EngineUnreachable as e:
-            raise ProducerDown(str(e)) from None
-        except EngineRequestError as e:  # an answer: the prompt's fault, unless the engine died
-            if not self.server.alive() or not self.client.healthy():
-                raise ProducerDown(str(e)) from None
-            raise
-        path = (done.kv_transfer_params or {}).get("hidden_states_path")
+        path = request_capture(self.client, ids, SERVED_NAME, self.server.alive)
         if not path:
             raise EngineError(
                 f"{self.name} returned no hidden_states_path for a {len(ids)}-token prompt; its "
@@ -172,9 +188,10 @@ class ServerAtURL:
         served = self.client.served_model()
         self.model, self.root = str(served.get("id")), str(served.get("root") or served.get("id"))
 
-    def check_weights(self, model_dir: Path, fingerprint: str, cache_dir: Path) -> None:
-        """ConfigError unless the server loaded the weights of ``model_dir`` (its
-        ``fingerprint``): the path it serves must be one this machine reads."""
+    def check_weights(self, model_dir: Path, cache_dir: Path) -> None:
+        """ConfigError unless the server loaded the weights of ``model_dir``: the path it serves
+        must be one this machine reads, and, where it is not ``model_dir`` itself, hold the same
+        weights (fingerprints cached in ``cache_dir``)."""
         root = Path(self.root)
         if not root.is_dir():
             raise ConfigError(
@@ -183,7 +200,7 @@ class ServerAtURL:
                 "target from a path both machines read (a shared filesystem)."
             )
         if root.resolve() != model_dir.resolve():
-            theirs = weights_fingerprint(root, cache_dir)
+            theirs, fingerprint = (weights_fingerprint(d, cache_dir) for d in (root, model_dir))
             if theirs != fingerprint:
                 raise ConfigError(
                     f"{self.setting}={self.name} serves {root} ({theirs}), other weights than "
@@ -192,17 +209,7 @@ class ServerAtURL:
                 )
 
     def capture(self, ids: list[int]) -> torch.Tensor:
-        try:
-            done = self.client.complete(
-                ids, max_tokens=1, model=self.model, extra={"kv_transfer_params": {}}
-            )
-        except EngineUnreachable as e:
-            raise ProducerDown(str(e)) from None
-        except EngineRequestError as e:  # an answer: the prompt's fault, unless the server died
-            if not self.client.healthy():
-                raise ProducerDown(str(e)) from None
-            raise
-        path = (done.kv_transfer_params or {}).get("hidden_states_path")
+        path = request_capture(self.client, ids, self.model, lambda: True)
         if not path:
             raise ConfigError(
                 f"{self.setting}={self.name} returned no hidden_states_path: it is not a capture "
@@ -276,10 +283,8 @@ class VLLMTarget(HeadOnlyTarget):
             )
             for i, url in enumerate(cfg.urls)
         ]
-        cache = resolve_cache_dir(None)
-        fingerprint = weights_fingerprint(model_dir, cache)
         for server in servers:
-            server.check_weights(model_dir, fingerprint, cache)
+            server.check_weights(model_dir, resolve_cache_dir(None))
             server.capture([0, 1])  # its layers, and files this machine reads
         return servers
 
