@@ -22,7 +22,10 @@ M teacher rows (flattened batch positions), c rows of one chunk, g groups (TTT s
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -61,6 +64,18 @@ class LossKind(str, Enum):
     reverse_kl = "reverse_kl"  # KL(q || p) (speculators' rkl)
 
 
+class LossKernel(str, Enum):
+    """What computes the lm_head's loss chunks (docs/performance.md#the-loss-and-the-teacher)."""
+
+    auto = "auto"  # triton on CUDA where triton imports and the kind has it, else torch
+    torch = "torch"  # the chunked torch path: every device, every kind (the reference)
+    triton = "triton"  # two Triton kernels over logits kept in the matmul's dtype (CUDA)
+
+
+# The kinds the Triton kernels compute: the cross-entropy, α, and mixes of the two.
+TRITON_KINDS = frozenset({"kl", "tv", "neg_log_alpha", "lk_alpha", "kl_tv", "lk_lambda"})
+
+
 @dataclass
 class LossConfig:
     """The `loss` config section: what the draft is trained to match (see docs/losses.md)."""
@@ -73,6 +88,30 @@ class LossConfig:
     kl_decay: float = 1.0
     # kl_tv: λ = exp(-kl_tv_eta · α) per position (speculators' lk_hybrid eta, the paper's 3.0).
     kl_tv_eta: float = 3.0
+    # auto | torch | triton: what computes the lm_head and the loss, chunk by chunk. auto is
+    # triton on CUDA where the triton package imports and the kind has its kernel, else torch.
+    kernel: LossKernel = LossKernel.auto
+
+    def kernel_for(self, device: torch.device) -> LossKernel:
+        """The kernel that runs on ``device``; ConfigError where ``triton`` cannot."""
+        problem = None
+        # On CPU only Triton's interpreter runs the kernels (slow: for checking them), and
+        # only when asked for by name
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1" and self.kernel != LossKernel.auto
+        if device.type != "cuda" and not interpreted:
+            problem = f"it runs on CUDA, and this run trains on {device.type}"
+        elif self.kind.value not in TRITON_KINDS:
+            problem = (
+                f"loss.kind={self.kind.value} has no Triton kernel (it has: "
+                f"{', '.join(sorted(TRITON_KINDS))})"
+            )
+        elif importlib.util.find_spec("triton") is None:
+            problem = "the triton package is not installed"
+        if self.kernel == LossKernel.triton and problem is not None:
+            raise ConfigError(f"loss.kernel=triton: {problem}; set loss.kernel=torch or auto.")
+        if self.kernel == LossKernel.auto:
+            return LossKernel.torch if problem is not None else LossKernel.triton
+        return self.kernel
 
     def __post_init__(self) -> None:
         for name in ("kl_scale", "kl_decay", "kl_tv_eta"):
@@ -203,22 +242,22 @@ def _jsd_chunk(
     return loss_c, alpha_c, d_cW.sub_(q_d_c[:, None]).mul_(q_cW).mul_(0.5)
 
 
-def _acceptance_chunk(
-    logq_cW: torch.Tensor,
-    p_cW: torch.Tensor,
-    with_grad: bool,
+def acceptance_terms(
     config: LossConfig,
+    alpha_c: torch.Tensor,
+    ce_c: torch.Tensor | None,
+    plogp_c: torch.Tensor | None,
     kl_weight_c: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The kinds built from α (and, for kl_tv and lk_lambda, the cross-entropy): per row the
-    loss, the coefficient ``a`` of ∂CE/∂z and ``b`` of ∂α/∂z."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The kinds built from the cross-entropy CE and α, per row: the loss, and the coefficients
+    of its gradient ∂loss/∂z = a·∂CE/∂z + b·∂α/∂z (``a`` None: no CE term). ``plogp_c``,
+    Σ p log p, is read by kl_tv (its KL) alone."""
     kind = config.kind
-    with_ce = kind in (LossKind.kl_tv, LossKind.lk_lambda)
-    ce_c = -_dot(p_cW, logq_cW) if with_ce else None
-    q_cW = logq_cW.exp_()
-    alpha_c = _row_sums(torch.minimum, p_cW, q_cW)
     a_c: torch.Tensor | None = None
-    if kind == LossKind.tv:
+    if kind == LossKind.kl:
+        assert ce_c is not None
+        loss_c, a_c, b_c = ce_c, torch.ones_like(ce_c), torch.zeros_like(ce_c)
+    elif kind == LossKind.tv:
         loss_c, b_c = 1 - alpha_c, torch.full_like(alpha_c, -1.0)
     elif kind == LossKind.neg_log_alpha:
         # speculators clamps α: below the floor the loss is constant, without gradient
@@ -233,8 +272,8 @@ def _acceptance_chunk(
         assert ce_c is not None
         # KL(p || q) = Σ p log p + CE; λ is a constant of the gradient (speculators detach α)
         lam_c = torch.exp(-config.kl_tv_eta * alpha_c)
-        kl_c = _row_sums(torch.special.xlogy, p_cW, p_cW) + ce_c
-        loss_c = lam_c * kl_c + (1 - lam_c) * (1 - alpha_c)
+        assert plogp_c is not None
+        loss_c = lam_c * (plogp_c + ce_c) + (1 - lam_c) * (1 - alpha_c)
         a_c, b_c = lam_c, lam_c - 1
     elif kind == LossKind.lk_lambda:
         assert ce_c is not None
@@ -244,7 +283,24 @@ def _acceptance_chunk(
         loss_c = kl_weight_c * ce_c + (1 - kl_weight_c) * (1 - alpha_c)
         a_c, b_c = kl_weight_c, kl_weight_c - 1
     else:
-        raise ValueError(f"not an acceptance loss: {kind}")
+        raise ValueError(f"not a loss of the cross-entropy and α: {kind}")
+    return loss_c, a_c, b_c
+
+
+def _acceptance_chunk(
+    logq_cW: torch.Tensor,
+    p_cW: torch.Tensor,
+    with_grad: bool,
+    config: LossConfig,
+    kl_weight_c: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The kinds built from α (and, for kl_tv and lk_lambda, the cross-entropy)."""
+    with_ce = config.kind in (LossKind.kl_tv, LossKind.lk_lambda)
+    ce_c = -_dot(p_cW, logq_cW) if with_ce else None
+    q_cW = logq_cW.exp_()
+    alpha_c = _row_sums(torch.minimum, p_cW, q_cW)
+    plogp_c = _row_sums(torch.special.xlogy, p_cW, p_cW) if config.kind == LossKind.kl_tv else None
+    loss_c, a_c, b_c = acceptance_terms(config, alpha_c, ce_c, plogp_c, kl_weight_c)
     if not with_grad:
         return loss_c, alpha_c, None
     above_cW = p_cW > q_cW
@@ -279,6 +335,79 @@ class _Chunked(NamedTuple):
     grad_weight_WH: torch.Tensor | None
 
 
+# The Triton path's chunk: one [rows, W] buffer in the matmul's dtype (bf16 in training) and no
+# fp32 copy, so its chunks are larger -- and its matmuls fill a GPU better -- at kl's bytes.
+FUSED_CHUNK_BYTES = 256 * 2**20
+FUSED_MIN_ROWS = 1024
+
+
+def fused_chunk_rows(width: int, dtype: torch.dtype) -> int:
+    """Rows per chunk of the Triton path over a [width] vocabulary in ``dtype``."""
+    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    return max(FUSED_MIN_ROWS, FUSED_CHUNK_BYTES // row_bytes)
+
+
+def fused_chunk_loop(
+    hidden_nH: torch.Tensor,
+    weight_WH: torch.Tensor,
+    teacher_MW: torch.Tensor,
+    teacher_rows_n: torch.Tensor,
+    scale_n: torch.Tensor | None,
+    kl_weight_n: torch.Tensor | None,
+    config: LossConfig,
+    chunk_size: int | None,
+    with_grad: bool,
+) -> _Chunked:
+    """``_chunk_loop`` with the row work in ``draft/fused_loss.py``'s kernels: the logits stay
+    in the hidden state's dtype, the gradient is written over them, the teacher rows are read
+    in place. The lm_head gradient sums each chunk's product in fp32 (a bf16 product per
+    chunk: bf16 tolerance, as the matmul itself)."""
+    from eagleforge.draft import fused_loss  # triton: imported only where this path runs
+
+    rows, width = hidden_nH.shape[0], weight_WH.shape[0]
+    mm_dtype = hidden_nH.dtype if hidden_nH.dtype in (torch.bfloat16, torch.float16) else None
+    mm_dtype = mm_dtype or torch.promote_types(hidden_nH.dtype, torch.float32)
+    if chunk_size is None:
+        chunk_size = fused_chunk_rows(width, mm_dtype)
+    device = hidden_nH.device
+    loss_n = torch.empty(rows, dtype=torch.float32, device=device)
+    alpha_n = torch.empty(rows, dtype=torch.float32, device=device)
+    argmax_n = torch.empty(rows, dtype=torch.long, device=device)
+    with_grad = with_grad and scale_n is not None
+    grad_hidden = torch.empty_like(hidden_nH) if with_grad else None
+    grad_weight = torch.zeros_like(weight_WH, dtype=torch.float32) if with_grad else None
+    weight = weight_WH.to(mm_dtype)
+    teacher_MW = teacher_MW if teacher_MW.stride(-1) == 1 else teacher_MW.contiguous()
+    teacher_rows = teacher_rows_n.contiguous()
+    for start in range(0, rows, chunk_size):
+        end = min(start + chunk_size, rows)
+        h_cH = hidden_nH[start:end].to(mm_dtype)
+        z_cW = h_cH @ weight.T
+        rows_c = teacher_rows[start:end]
+        stats = fused_loss.row_stats(z_cW, teacher_MW, rows_c)
+        kl_weight_c = None if kl_weight_n is None else kl_weight_n[start:end].float()
+        loss_c, a_c, b_c = acceptance_terms(
+            config,
+            stats.alpha_c,
+            stats.ce_c,
+            stats.plogp_c,
+            kl_weight_c,
+        )
+        loss_n[start:end], alpha_n[start:end] = loss_c, stats.alpha_c
+        argmax_n[start:end] = stats.argmax_c
+        if grad_hidden is not None and grad_weight is not None:
+            assert scale_n is not None
+            scale_c = scale_n[start:end].float()
+            a_c = torch.zeros_like(b_c) if a_c is None else a_c
+            g_cW = fused_loss.row_grad(
+                z_cW, teacher_MW, rows_c, stats, a_c * scale_c, b_c * scale_c
+            )
+            grad_hidden[start:end] = (g_cW @ weight).to(hidden_nH.dtype)
+            grad_weight.add_(g_cW.T @ h_cH)
+        del z_cW
+    return _Chunked(loss_n, argmax_n, alpha_n, grad_hidden, grad_weight)
+
+
 def _chunk_loop(
     hidden_nH: torch.Tensor,
     weight_WH: torch.Tensor,
@@ -287,10 +416,12 @@ def _chunk_loop(
     scale_n: torch.Tensor | None,
     kl_weight_n: torch.Tensor | None,
     config: LossConfig,
-    chunk_size: int,
+    chunk_size: int | None,
     with_grad: bool,
 ) -> _Chunked:
     rows = hidden_nH.shape[0]
+    if chunk_size is None:
+        chunk_size = loss_chunk_rows(config.kind, weight_WH.shape[0])
     # half-precision logits are upcast: the softmax over W terms needs fp32 at least
     compute = torch.promote_types(hidden_nH.dtype, torch.float32)
     loss_n = torch.empty(rows, dtype=compute, device=hidden_nH.device)
@@ -337,10 +468,11 @@ class _ChunkedLoss(torch.autograd.Function):
         scale_n: torch.Tensor | None,
         kl_weight_n: torch.Tensor | None,
         config: LossConfig,
-        chunk_size: int,
+        chunk_size: int | None,
         with_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = _chunk_loop(
+        loop = fused_chunk_loop if config.kernel == LossKernel.triton else _chunk_loop
+        out = loop(
             hidden_nH,
             weight_WH,
             teacher_MW,
@@ -425,17 +557,19 @@ def chunked_loss(
         and torch.is_grad_enabled()
         and (hidden_nH.requires_grad or weight_WH.requires_grad)
     )
-    if chunk_size is None:
-        chunk_size = loss_chunk_rows(config.kind, weight_WH.shape[0])
+    if config.kernel != LossKernel.triton:  # auto resolved here: a caller's own device
+        config = dataclasses.replace(config, kernel=config.kernel_for(hidden_nH.device))
+    triton = config.kernel == LossKernel.triton
     rows = (hidden_nH, weight_WH, teacher_MW, teacher_rows_n)
     kl_weight_n = None
     if config.kind == LossKind.lk_lambda:
         if group_n is None:
             group_n = torch.zeros_like(teacher_rows_n)
         # α alone, through the tv kind's chunk: the cheapest that computes it
-        alpha_first = LossConfig(kind=LossKind.tv)
+        alpha_first = LossConfig(kind=LossKind.tv, kernel=config.kernel)
+        loop = fused_chunk_loop if triton else _chunk_loop
         with torch.no_grad():
-            alpha_n = _chunk_loop(*rows, None, None, alpha_first, chunk_size, False).alpha_n
+            alpha_n = loop(*rows, None, None, alpha_first, chunk_size, False).alpha_n
         kl_weight_n = lk_lambda_kl_weights(alpha_n, group_n, num_groups, config)
     return ChunkedLoss(
         *_ChunkedLoss.apply(*rows, scale_n, kl_weight_n, config, chunk_size, with_grad)

@@ -4,6 +4,8 @@ unrolled training-time test against the target's distribution (``draft/model.py`
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from eagleforge.speculative.decoder import SpeculativeDecoder
 from eagleforge.targets.base import TargetBackend
 from eagleforge.targets.hf import HFTarget
 from eagleforge.targets.teacher import teacher_batch
+
+log = logging.getLogger(__name__)
 
 # the draft.* settings an EAGLE-3 draft reads
 EAGLE3_FIELDS = (
@@ -108,8 +112,11 @@ class Eagle3Family:
         sp: SequenceParallel,
     ) -> TTTModule:
         """The unrolled TTT with the configured attention backend (sequence-parallel attention
-        over the sp ranks under usp)."""
+        over the sp ranks under usp) and loss kernel, both resolved for ``device`` and logged."""
         attention = cfg.attention_for(device)
+        loss = dataclasses.replace(loss, kernel=loss.kernel_for(device))
+        log.info("TTT attention %s, loss %s by the %s kernel", attention.value, loss.kind.value,
+                 loss.kernel.value)  # fmt: skip
         ttt_attention: AttentionBackend | USPBackend = attention
         if attention == AttentionBackend.usp:
             check_heads(
