@@ -19,6 +19,7 @@ D head dim.
 
 from __future__ import annotations
 
+import copy
 from enum import Enum
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ from eagleforge.layers import causal_document_mask
 class AttentionBackend(str, Enum):
     """How the TTT attention is computed (see ``draft/attention.py``)."""
 
-    auto = "auto"  # sdpa on CPU, eager elsewhere
+    auto = "auto"  # sdpa, on every device
     eager = "eager"  # materialised [T, steps*T] mask: the reference
     sdpa = "sdpa"  # PyTorch flash kernel for step-0 keys + log-sum-exp merge of the diagonal
     flex = "flex"  # flex_attention with a BlockMask (CUDA; on CPU forward only)
@@ -388,6 +389,83 @@ def flash_ttt_attention(
 _compiled_flex: Any = None
 
 
+def _ttt_mask_mod(
+    seq: int, valid_BT: torch.Tensor, document_ids_BT: torch.Tensor | None, upto: torch.Tensor
+) -> Any:
+    """The TTT mask over keys laid out step by step, of steps 0 to ``upto`` (a 0-dim tensor:
+    a value the compiled kernel reads, so that every step runs the same kernel)."""
+
+    def ttt_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        position, step = kv_idx % seq, kv_idx // seq
+        step0 = (step == 0) & (position <= q_idx) & valid_BT[b, position]
+        if document_ids_BT is not None:
+            step0 = step0 & (
+                (document_ids_BT[b, position] == document_ids_BT[b, q_idx]) | ~valid_BT[b, q_idx]
+            )
+        return step0 | ((step > 0) & (step <= upto) & (position == q_idx))
+
+    return ttt_mask
+
+
+class FlexUnroll:
+    """flex_attention for one unroll of ``num_steps`` TTT steps, with one kernel for them all.
+
+    Every step's keys are laid out over the slots of all ``num_steps`` steps (the later ones
+    zero, and masked), so each step calls the kernel at the same shape: compiled once per
+    sequence length (on CUDA) and reused by every step and batch. The block structure is
+    built once per unroll; each step takes it with its own ``upto``. Blocks of later steps
+    are partial blocks on the diagonal: they cost a few blocks per query block, not a
+    recompilation. The price is memory: each step keeps keys of all steps for its backward,
+    k·T per step rather than (i+1)·T.
+    """
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = num_steps
+        self.blocks: Any = None
+
+    def __call__(
+        self,
+        q_BNTD: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        valid_BT: torch.Tensor | None,
+        document_ids_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        global _compiled_flex
+        batch, num_heads, seq, head_dim = q_BNTD.shape
+        if len(keys) > self.num_steps:
+            raise ValueError(f"step {len(keys)} of an unroll of {self.num_steps} steps")
+        device = q_BNTD.device
+        valid = (
+            valid_BT.bool()
+            if valid_BT is not None
+            else torch.ones(batch, seq, dtype=torch.bool, device=device)
+        )
+        later = [torch.zeros_like(keys[0])] * (self.num_steps - len(keys))
+        k_BKSD, v_BKSD = torch.cat([*keys, *later], dim=2), torch.cat([*values, *later], dim=2)
+        if self.blocks is None:
+            every_step = torch.tensor(self.num_steps - 1, device=device)
+            self.blocks = create_block_mask(
+                _ttt_mask_mod(seq, valid, document_ids_BT, every_step),
+                batch, None, seq, k_BKSD.shape[2], device=device,
+                _compile=device.type == "cuda", separate_full_blocks=seq > 1,
+            )  # fmt: skip
+        block_mask = copy.copy(self.blocks)  # the same block tensors, this step's mask
+        upto = torch.tensor(len(keys) - 1, device=device)
+        block_mask.mask_mod = _ttt_mask_mod(seq, valid, document_ids_BT, upto)
+        attend = flex_attention
+        if device.type == "cuda":
+            if _compiled_flex is None:
+                _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            attend = _compiled_flex
+        out = attend(
+            q_BNTD, k_BKSD, v_BKSD, block_mask=block_mask, enable_gqa=k_BKSD.shape[1] != num_heads
+        )
+        return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
+
+
 def flex_ttt_attention(
     q_BNTD: torch.Tensor,
     keys: list[torch.Tensor],
@@ -395,40 +473,10 @@ def flex_ttt_attention(
     valid_BT: torch.Tensor | None,
     document_ids_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """flex_attention over the keys of all steps with the TTT mask as a BlockMask.
+    """flex_attention over the keys of all steps with the TTT mask as a BlockMask (one call;
+    the TTT unroll uses ``FlexUnroll``, which reuses one kernel across its steps).
 
     Compiled into a fused kernel on CUDA (forward and backward). On CPU it runs PyTorch's
     unfused reference forward only, which is what the CPU tests check against eager.
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    global _compiled_flex
-    batch, num_heads, seq, head_dim = q_BNTD.shape
-    k_BKSD, v_BKSD = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-    valid = (
-        valid_BT.bool()
-        if valid_BT is not None
-        else torch.ones(batch, seq, dtype=torch.bool, device=q_BNTD.device)
-    )
-
-    def ttt_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-        position, step = kv_idx % seq, kv_idx // seq
-        step0 = (step == 0) & (position <= q_idx) & valid[b, position]
-        if document_ids_BT is not None:
-            step0 = step0 & (
-                (document_ids_BT[b, position] == document_ids_BT[b, q_idx]) | ~valid[b, q_idx]
-            )
-        return step0 | ((step > 0) & (position == q_idx))
-
-    block_mask = create_block_mask(
-        ttt_mask, batch, None, seq, k_BKSD.shape[2], device=q_BNTD.device
-    )
-    attend = flex_attention
-    if q_BNTD.device.type == "cuda":
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        attend = _compiled_flex
-    out = attend(
-        q_BNTD, k_BKSD, v_BKSD, block_mask=block_mask, enable_gqa=k_BKSD.shape[1] != num_heads
-    )
-    return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
+    return FlexUnroll(len(keys))(q_BNTD, keys, values, valid_BT, document_ids_BT)

@@ -69,10 +69,11 @@ class DraftConfig:
     # predicted | fed: a prediction counts when the token it predicts is supervised, or when
     # the token fed before it is (see LossPositions).
     loss_positions: LossPositions = LossPositions.predicted
-    # TTT attention: auto (sdpa on CPU, eager on CUDA) | eager | sdpa | flash (CUDA) | flex (CUDA)
+    # TTT attention: auto (sdpa) | eager | sdpa | flash (CUDA) | flex (CUDA)
     # | usp (sequence parallel over parallel.sp_ulysses x sp_ring ranks, offline).
     attention: AttentionBackend = AttentionBackend.auto
-    # torch.compile the draft layer step (the first steps are slower while it compiles).
+    # torch.compile the draft layer's regions before and after attention, once for every TTT
+    # step (the first step is slower while it compiles; docs/performance.md#torchcompile).
     compile: bool = False
     # MLP width of the draft layer; null = the target's intermediate_size.
     intermediate_size: int | None = None
@@ -123,7 +124,9 @@ class DraftConfig:
     def attention_for(self, device: torch.device) -> AttentionBackend:
         """The backend to run on ``device``; ConfigError where the chosen one cannot run."""
         if self.attention == AttentionBackend.auto:
-            return AttentionBackend.sdpa if device.type == "cpu" else AttentionBackend.eager
+            # on CUDA too since the H200 check of 2026-12-04: its outputs and gradients equal
+            # eager's (tests/gpu), O(k·T) memory where eager's is O(k·T²)
+            return AttentionBackend.sdpa
         if self.attention == AttentionBackend.flash:
             if device.type != "cuda":
                 raise ConfigError(FLASH_CUDA_ONLY)

@@ -24,6 +24,7 @@ import torch
 from eagleforge.batch import TTTBatch, shift_left
 from eagleforge.draft.attention import (
     AttentionBackend,
+    FlexUnroll,
     eager_ttt_attention,
     flash_ttt_attention,
     flex_ttt_attention,
@@ -110,23 +111,60 @@ def draft_step(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     attention: AttentionBackend | AttentionFn = AttentionBackend.eager,
+    compile: bool = False,
 ) -> torch.Tensor:
-    """One draft-layer pass of a TTT step; appends this step's keys/values; returns pre-norm [B,T,H]."""
-    q, k, v = draft.layer_qkv(input_ids_BT, hidden_BTH, position_ids_BT)
+    """One draft-layer pass of a TTT step; appends this step's keys/values; returns pre-norm [B,T,H].
+
+    ``compile``: the layer's two dense regions (``compiled_layer``) run compiled, the
+    attention between them as it is."""
+    attend = ATTENTION[attention] if isinstance(attention, AttentionBackend) else attention
+    if compile:
+        layer_qkv, layer_output = compiled_layer()
+        q, k, v = layer_qkv(draft, input_ids_BT, hidden_BTH, position_ids_BT)
+    else:
+        q, k, v = draft.layer_qkv(input_ids_BT, hidden_BTH, position_ids_BT)
     keys.append(k)
     values.append(v)
-    attend = ATTENTION[attention] if isinstance(attention, AttentionBackend) else attention
     attention_BTX = attend(q, keys, values, valid_BT, document_ids_BT)
+    if compile:
+        return layer_output(draft, hidden_BTH, attention_BTX)  # type: ignore[no-any-return]
+    return draft.layer_output(hidden_BTH, attention_BTX)
+
+
+def _layer_qkv(
+    draft: Eagle3Draft,
+    input_ids_BT: torch.Tensor,
+    hidden_BTH: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return draft.layer_qkv(input_ids_BT, hidden_BTH, positions)
+
+
+def _layer_output(
+    draft: Eagle3Draft, hidden_BTH: torch.Tensor, attention_BTX: torch.Tensor
+) -> torch.Tensor:
     return draft.layer_output(hidden_BTH, attention_BTX)
 
 
 @functools.cache
-def compiled_draft_step() -> Any:
-    """``draft_step`` through torch.compile, built once per process (one graph per TTT step).
+def compiled_layer() -> tuple[Any, Any]:
+    """The draft layer's regions before and after attention (embedding, norms, q/k/v and RoPE;
+    o_proj, residuals and MLP) through torch.compile, built once per process.
 
-    dynamic=None: after the first new sequence length, it compiles once with dynamic shapes.
+    Regional: every TTT step runs them at the same shapes, so one graph each serves all the
+    steps of every batch of a sequence length (dynamic=None: after a second length, one graph
+    with dynamic shapes). The attention between them keeps its own kernels -- flex its own
+    compiled one (``FlexUnroll``) -- rather than a graph per step of growing keys.
     """
-    return torch.compile(draft_step)
+    return torch.compile(_layer_qkv), torch.compile(_layer_output)
+
+
+def unroll_attention(backend: AttentionBackend, num_steps: int) -> AttentionFn:
+    """The attention of one unroll of ``num_steps`` steps: flex lays every step's keys over
+    the slots of all steps, so that one compiled kernel serves them (``FlexUnroll``)."""
+    if backend == AttentionBackend.flex:
+        return FlexUnroll(num_steps)
+    return ATTENTION[backend]
 
 
 def ttt_forward(
@@ -180,7 +218,7 @@ def ttt_forward(
             raise ValueError(
                 f"attention={attention.value} needs its ranks: pass parallel.usp.USPBackend"
             )
-        attend = attention
+        attend = unroll_attention(attention, ttt_length)
     else:
         if batch.halo < attention.halo:
             raise ValueError(
@@ -205,7 +243,6 @@ def ttt_forward(
     )
     step_n, rows_n, cols_n = counted_kBT.nonzero(as_tuple=True)
     per_step_rows = counted_kBT.sum((1, 2)).tolist()
-    step_fn = compiled_draft_step() if compile else draft_step
     fixed = None if later_inputs is None else later_inputs(input_ids.shape[0], span)
     for step, (rows, cols) in enumerate(
         zip(rows_n.split(per_step_rows), cols_n.split(per_step_rows), strict=True)
@@ -213,7 +250,7 @@ def ttt_forward(
         ids_BT = shift_left(input_ids, 1 + step)[:, :span]
         if step and fixed is not None:
             ids_BT, hidden_BTH = fixed
-        hidden_BTH = step_fn(
+        hidden_BTH = draft_step(
             draft,
             ids_BT,
             hidden_BTH,
@@ -223,6 +260,7 @@ def ttt_forward(
             keys,
             values,
             attend,
+            compile,
         )
         normed_rows.append(draft.head_input(hidden_BTH[rows, cols]))
     teacher_n = rows_n * seq + cols_n + 1 + step_n  # rows of the teacher, halo included
