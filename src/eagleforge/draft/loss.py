@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from eagleforge.batch import CHUNK_BYTES, rows_per_chunk
+from eagleforge.batch import CHUNK_BYTES, chunk_bytes, rows_per_chunk
 from eagleforge.errors import ConfigError
 
 # The kl loss holds two such buffers per chunk (logits turned log-probs turned gradient, and
@@ -141,10 +141,12 @@ LOSS_BUFFERS = {
 }
 
 
-def loss_chunk_rows(kind: LossKind, width: int) -> int:
-    """Rows per chunk for ``kind`` over a [width] vocabulary (kl: the rows it always had)."""
+def loss_chunk_rows(kind: LossKind, width: int, device: torch.device | None = None) -> int:
+    """Rows per chunk for ``kind`` over a [width] vocabulary (kl: the rows it always had; on
+    CUDA, ``chunk_bytes``'s larger budget)."""
     share = LOSS_BUFFERS[LossKind.kl] / LOSS_BUFFERS[kind]
-    return rows_per_chunk(width, int(LOSS_CHUNK_BYTES * share), math.ceil(LOSS_MIN_ROWS * share))
+    budget = LOSS_CHUNK_BYTES if device is None else chunk_bytes(device) // 2
+    return rows_per_chunk(width, int(budget * share), math.ceil(LOSS_MIN_ROWS * share))
 
 
 def _row_sums(fn: Callable[..., torch.Tensor], *tensors_cW: torch.Tensor) -> torch.Tensor:
@@ -365,11 +367,16 @@ def fused_chunk_loop(
     from eagleforge.draft import fused_loss  # triton: imported only where this path runs
 
     rows, width = hidden_nH.shape[0], weight_WH.shape[0]
-    mm_dtype = hidden_nH.dtype if hidden_nH.dtype in (torch.bfloat16, torch.float16) else None
-    mm_dtype = mm_dtype or torch.promote_types(hidden_nH.dtype, torch.float32)
+    device = hidden_nH.device
+    # the matmul's dtype: autocast's where it is on (the trainer's bf16), else the input's
+    if torch.is_autocast_enabled(device.type):
+        mm_dtype = torch.get_autocast_dtype(device.type)
+    elif hidden_nH.dtype in (torch.bfloat16, torch.float16):
+        mm_dtype = hidden_nH.dtype
+    else:
+        mm_dtype = torch.promote_types(hidden_nH.dtype, torch.float32)
     if chunk_size is None:
         chunk_size = fused_chunk_rows(width, mm_dtype)
-    device = hidden_nH.device
     loss_n = torch.empty(rows, dtype=torch.float32, device=device)
     alpha_n = torch.empty(rows, dtype=torch.float32, device=device)
     argmax_n = torch.empty(rows, dtype=torch.long, device=device)
@@ -421,7 +428,7 @@ def _chunk_loop(
 ) -> _Chunked:
     rows = hidden_nH.shape[0]
     if chunk_size is None:
-        chunk_size = loss_chunk_rows(config.kind, weight_WH.shape[0])
+        chunk_size = loss_chunk_rows(config.kind, weight_WH.shape[0], hidden_nH.device)
     # half-precision logits are upcast: the softmax over W terms needs fp32 at least
     compute = torch.promote_types(hidden_nH.dtype, torch.float32)
     loss_n = torch.empty(rows, dtype=compute, device=hidden_nH.device)

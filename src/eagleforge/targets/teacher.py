@@ -15,6 +15,7 @@ from eagleforge.batch import (
     BlockBatch,
     Teacher,
     TTTBatch,
+    chunk_bytes,
     rows_per_chunk,
     shift_left,
     shift_right,
@@ -32,7 +33,7 @@ def compute_teacher(
     needed_BT: torch.Tensor | None = None,
 ) -> Teacher:
     """Teacher from the target's final hidden states, ``chunk_size`` positions at a time
-    (default: as many as make 32 MiB of fp32 logits).
+    (default: as many as make 32 MiB of fp32 logits, 512 MiB on CUDA).
 
     Only positions in ``needed_BT`` (default: all) go through the lm_head; elsewhere the
     probabilities are zero and ``in_draft`` is False, so those positions never count.
@@ -41,7 +42,7 @@ def compute_teacher(
     if needed_BT is None:
         needed_BT = torch.ones(batch, seq, dtype=torch.bool, device=final_hidden_BTH.device)
     if chunk_size is None:
-        chunk_size = rows_per_chunk(lm_head_VH.shape[0])
+        chunk_size = rows_per_chunk(lm_head_VH.shape[0], chunk_bytes(final_hidden_BTH.device))
     rows_N = needed_BT.reshape(-1).nonzero().squeeze(1)
     flat_NH = final_hidden_BTH.reshape(batch * seq, hidden)
     probs_BTW = torch.zeros(
