@@ -11,6 +11,10 @@ with ``--json`` also one JSON line with median_step_s, tokens_per_s, peak_rss_mi
 step's matmul FLOPs per token and the achieved fraction of this machine's measured matmul rate
 (in ``--dtype``).
 
+The first step is timed apart (``first_step_s``: compilation with ``--compile`` or flex, and
+warm-up), never averaged into the median. ``--loss-kernel triton`` runs the fused loss
+kernels (CUDA), ``--master-dtype float32`` keeps fp32 weights under autocast as the trainer.
+
 ``--device cuda`` runs it on the GPU (the GPU check's 8B-shaped draft, scripts/gpu_check.py):
 
     python benchmarks/ttt_step.py --device cuda --dtype bfloat16 --hidden-size 4096 \\
@@ -34,9 +38,14 @@ import torch
 
 from eagleforge.batch import TTTBatch, shift_left
 from eagleforge.draft.attention import AttentionBackend
+from eagleforge.draft.loss import LossConfig, LossKernel
 from eagleforge.draft.model import DraftArchitecture, Eagle3Draft
 from eagleforge.draft.ttt import count_positions, loss_scales, step_weights, ttt_forward
 from eagleforge.targets.teacher import compute_teacher
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,10 +56,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--draft-vocab", type=int, default=8000)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument(
+        "--seq-len", type=int_list, default=[512], help="T; a comma list runs each (8192,16384)"
+    )
     p.add_argument("--ttt-length", type=int, default=7)
-    p.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up steps)")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps first (the first one compiles)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--master-dtype",
+        choices=["same", "float32"],
+        default="same",
+        help="float32: fp32 weights and optimizer state, compute autocast to --dtype (the "
+        "trainer's optimizer.fp32_master); same: the weights in --dtype, no autocast",
+    )
+    p.add_argument(
+        "--loss-kernel",
+        type=lambda text: [LossKernel(k) for k in text.split(",")],
+        default=[LossKernel.auto],
+        help="loss.kernel: torch (chunked), triton (fused kernels, CUDA), auto; a comma list "
+        "runs each",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="draft.compile: the layer's regions compiled"
+    )
     p.add_argument("--attention", choices=[b.value for b in AttentionBackend], default="eager")
     p.add_argument("--prompt-frac", type=float, default=0.25, help="unsupervised share of each row")
     p.add_argument("--threads", type=int, default=2)
@@ -114,11 +145,11 @@ def peak_tflops(args: argparse.Namespace, device: torch.device) -> float | None:
     return next((tflops for key, tflops in PEAK_TFLOPS.items() if key in name), None)
 
 
-def step_flops_per_token(args: argparse.Namespace, counted_frac: float) -> float:
+def step_flops_per_token(args: argparse.Namespace, t: int, counted_frac: float) -> float:
     """Useful matmul FLOPs of one step per input token: forward x3 for backward, the teacher
     forward only; ``counted_frac`` is the share of positions where the lm_head and loss run.
     Work recomputed in backward (``--recompute-mlp``) is not counted as useful."""
-    h, i, t, k = args.hidden_size, args.intermediate_size, args.seq_len, args.ttt_length
+    h, i, k = args.hidden_size, args.intermediate_size, args.ttt_length
     d = h // args.heads
     q_width, kv_width = args.heads * d, args.kv_heads * d
     fc = 2 * 3 * h * h
@@ -144,10 +175,21 @@ def pack_lengths(total: int, seed: int = 0) -> list[int]:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    for t in args.seq_len:  # each measured apart; one that runs out of memory is said so
+        for kernel in args.loss_kernel:
+            try:
+                measure(args, t, kernel)
+            except torch.OutOfMemoryError as error:
+                print(json.dumps({"bench": "ttt_step", "seq_len": t, "out_of_memory": str(error)}))
+                raise SystemExit(1) from None
+
+
+def measure(args: argparse.Namespace, t: int, kernel: LossKernel) -> None:
+    """One shape and loss kernel: build, warm up, time; print the table line and JSON."""
     torch.manual_seed(0)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    h, t = args.hidden_size, args.seq_len
+    h = args.hidden_size
     arch = DraftArchitecture(
         hidden_size=h, intermediate_size=args.intermediate_size, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, head_dim=h // args.heads, rms_norm_eps=1e-6,
@@ -161,7 +203,10 @@ def main() -> None:
     t2d = torch.zeros(args.vocab, dtype=torch.bool)
     t2d[draft_ids] = True
     draft.set_vocab_map(draft_ids - torch.arange(args.draft_vocab), t2d)
-    draft.to(device=device, dtype=dtype)
+    autocast = args.master_dtype == "float32" and dtype != torch.float32
+    draft.to(device=device, dtype=torch.float32 if autocast else dtype)
+    loss = LossConfig(kernel=kernel)
+    loss_kernel = loss.kernel_for(device)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
 
     input_ids = draft_ids[torch.randint(0, args.draft_vocab, (1, t))]
@@ -201,22 +246,25 @@ def main() -> None:
         batch = make_batch()
         optimizer.zero_grad(set_to_none=True)
         scale_k = loss_scales(count_positions(batch, args.ttt_length), weights)
-        stats = ttt_forward(
-            draft, batch, args.ttt_length, scale_k, attention=AttentionBackend(args.attention)
-        )
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            stats = ttt_forward(
+                draft, batch, args.ttt_length, scale_k, attention=AttentionBackend(args.attention),
+                compile=args.compile, loss=loss,
+            )  # fmt: skip
         stats.loss.backward()
         optimizer.step()
         synchronize(device)
         return time.perf_counter() - start
 
-    step()  # warm-up (and compilation, for flex)
+    # the first step apart: compilation (flex, --compile) and autotuning happen in it
+    warmup_s = [step() for _ in range(max(1, args.warmup))]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = statistics.median(step() for _ in range(args.steps))
     batch = make_batch()
     counts = count_positions(batch, args.ttt_length)
     counted_frac = float(counts.float().mean()) / t
-    flops = step_flops_per_token(args, counted_frac)
+    flops = step_flops_per_token(args, t, counted_frac)
     peak_cuda_mib = None
     if device.type == "cuda":
         peak_cuda_mib = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -224,13 +272,18 @@ def main() -> None:
     peak = peak_tflops(args, device)
     result = {
         "bench": "ttt_step",
+        "seq_len": t,
         "shape": f"h{h}-v{args.vocab}-dv{args.draft_vocab}-t{t}"
         + ("-packed" if args.packing else ""),
         "attention": args.attention,
+        "loss_kernel": loss_kernel.value,
+        "compile": args.compile,
         "recompute_mlp": args.recompute_mlp,
         "dtype": args.dtype,
+        "master_dtype": "float32" if autocast else args.dtype,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "threads": args.threads,
+        "first_step_s": round(warmup_s[0], 3),
         "median_step_s": round(seconds, 4),
         "tokens_per_s": round(t / seconds, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -251,6 +304,7 @@ def main() -> None:
         f"{result['shape']:<26} {args.attention:<9} {result['median_step_s']:>8} {result['tokens_per_s']:>8} "
         f"{result['peak_rss_mib']:>8} {result['mflops_per_token']:>10} {result['fraction_of_matmul_rate']:>8.1%}"
     )
+    print(f"first step {result['first_step_s']} s (compilation and warm-up included)")
     if peak_cuda_mib is not None:
         mfu = f", MFU {result['mfu']:.1%} of {peak:g} TFLOP/s" if peak is not None else ""
         print(f"peak CUDA memory {peak_cuda_mib} MiB{mfu}")

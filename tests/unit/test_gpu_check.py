@@ -18,8 +18,9 @@ import pytest
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ["setup", "gpu-tests", "train-eager", "train-sdpa", "train-flex", "train-flash",
-         "losses", "bench-sdpa", "bench-flex", "evaluate"]  # fmt: skip
+PARTS = ["setup", "bench-sdpa", "bench-specforge", "compare", "bench-long", "bench-compile",
+         "gpu-tests", "train-eager", "train-sdpa", "train-flex", "train-flash", "losses",
+         "evaluate"]  # fmt: skip
 
 
 def gpu_check() -> ModuleType:
@@ -53,11 +54,22 @@ def test_dry_run_lists_every_part_within_the_budget(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     listed = re.findall(r"^- (\S+) +timeout +(\d+) s", done.stdout, re.MULTILINE)
     assert [name for name, _ in listed] == PARTS
-    assert sum(int(seconds) for _, seconds in listed) <= gpu_check().TOTAL_BUDGET_S == 540
+    timeouts = {name: int(seconds) for name, seconds in listed}
+    # 8 minutes in all, the parts that need flash-attn (not carried) aside
+    assert sum(timeouts.values()) - timeouts["train-flash"] <= gpu_check().TOTAL_BUDGET_S == 480
+    assert "the check stops at 480 s" in done.stdout
     assert "-m pytest -m gpu tests/gpu" in done.stdout
     assert "draft.attention=flash  [only if flash_attn imports]" in done.stdout
-    shape = "--hidden-size 4096 --intermediate-size 14336 --heads 32 --kv-heads 8 --vocab 128256 --draft-vocab 32000 --seq-len 2048"
-    assert done.stdout.count(shape) == 2 and "--dtype bfloat16" in done.stdout
+    shape = "--hidden-size 4096 --intermediate-size 14336 --heads 32 --kv-heads 8 --vocab 128256 --draft-vocab 32000 --ttt-length 7"
+    assert (
+        done.stdout.count(shape) == 4 and "--dtype bfloat16 --master-dtype float32" in done.stdout
+    )
+    assert "--seq-len 2048 --steps 10 --loss-kernel auto,torch" in done.stdout
+    assert "--seq-len 8192,16384,32768" in done.stdout
+    assert (
+        "benchmarks/specforge_step.py" in done.stdout
+        and "--attention flex --compile" in done.stdout
+    )
     assert "bundle" in done.stdout and "0.0 MiB + the working tree" in done.stdout
     assert not (tmp_path / "out").exists()  # a dry run runs and writes nothing
 
@@ -126,3 +138,41 @@ def test_a_backend_stopped_early_is_named_as_such_not_as_off(tmp_path: Path) -> 
         (tmp_path / f"train-{backend}.json").write_text(json.dumps({"losses": losses}))
     outcome = check.compare_losses(tmp_path)
     assert outcome.status == "fail" and outcome.note == "flex: 2 of 3 steps (stopped early)"
+
+
+def _bench_log(logs: Path, name: str, *runs: dict) -> None:
+    lines = ["warming up", *(json.dumps(run) for run in runs)]
+    (logs / f"{name}.log").write_text("\n".join(lines) + "\n")
+
+
+def test_ours_is_set_beside_specforge_against_the_targets(tmp_path: Path) -> None:
+    check = gpu_check()
+    ours = {"bench": "ttt_step", "loss_kernel": "triton", "tokens_per_s": 30000.0,
+            "peak_cuda_mib": 20000.0, "mfu": 0.45}  # fmt: skip
+    torch_loss = {**ours, "loss_kernel": "torch", "tokens_per_s": 10000.0}
+    peer = {"bench": "specforge_step", "tokens_per_s": 20000.0, "peak_cuda_mib": 40000.0}
+    _bench_log(tmp_path, "bench-sdpa", ours, torch_loss)
+    _bench_log(tmp_path, "bench-specforge", peer)
+    met = check.compare_peer(tmp_path)
+    assert met.status == "pass" and met.note == "every target met"
+    assert met.figures["tokens_per_s_ratio"] == 1.5 and met.figures["peak_memory_ratio"] == 0.5
+    _bench_log(tmp_path, "bench-sdpa", {**ours, "tokens_per_s": 22000.0, "mfu": 0.3})
+    missed = check.compare_peer(tmp_path)
+    assert missed.status == "fail"
+    assert missed.note == "tokens/s 1.10x SpecForge's (target 1.2x); MFU 0.3 (target 40%)"
+    (tmp_path / "bench-specforge.log").unlink()
+    alone = check.compare_peer(tmp_path)
+    assert alone.status == "skip" and alone.note == "no figures from bench-specforge"
+
+
+def test_a_benchmark_of_several_runs_keeps_each(tmp_path: Path) -> None:
+    """bench-long's lengths each keep their figures, also when the last ran out of memory."""
+    check = gpu_check()
+    runs = [{"bench": "ttt_step", "seq_len": n, "tokens_per_s": 1.0, "peak_cuda_mib": 2.0}
+            for n in (8192, 16384)]  # fmt: skip
+    _bench_log(tmp_path, "bench-long", *runs)
+    with (tmp_path / "bench-long.log").open("a") as log:
+        log.write("torch.OutOfMemoryError: CUDA out of memory\n")
+    outcome = check.Outcome("bench-long", "fail", 1.0, 90)
+    check.figures_of(outcome, tmp_path, tmp_path)
+    assert [run["seq_len"] for run in outcome.figures["runs"]] == [8192, 16384]
