@@ -527,7 +527,8 @@ def figures_of(outcome: Outcome, work: Path, logs: Path) -> None:
         if runs:
             keep = ("seq_len", "attention", "loss_kernel", "compile", "tokens_per_s",
                     "median_step_s", "first_step_s", "peak_cuda_mib", "mfu", "achieved_tflops",
-                    "peak_tflops", "matmul_gflops", "mflops_per_token", "device", "specforge")  # fmt: skip
+                    "peak_tflops", "matmul_gflops", "mflops_per_token", "device", "specforge",
+                    "out_of_memory")  # fmt: skip
             kept = [{k: run[k] for k in keep if k in run} for run in runs]
             outcome.figures = kept[0] if len(kept) == 1 else {"runs": kept}
     elif name == "evaluate" and (work / "evaluate.json").exists():

@@ -88,6 +88,7 @@ RESUMABLE = (
     "draft.attention",
     "draft.compile",
     "draft.recompute_mlp",
+    "loss.kernel",
     "parallel",
     "target",
     "vllm",

@@ -264,5 +264,6 @@ def test_a_resume_may_change_the_judges_and_what_is_resumable_inside_a_run_defin
     }
     assert resumable("optimizer.muon.lr_ratio") and not resumable("optimizer.muon.momentum")
     assert not resumable("seed") and not resumable("a_section_no_list_names.field")
+    assert resumable("loss.kernel") and not resumable("loss.kind")  # how it runs, not what
     with pytest.raises(ResumeRefused, match=r"other settings \(optimizer.muon.momentum: 0.95 -> 0.9; seed: 0 -> 1\)"):  # fmt: skip
         resume_changes(saved, {**now, "optimizer.muon.momentum": 0.9, "seed": 1}, tmp_path)

@@ -53,7 +53,7 @@ def _row_stats_kernel(
     offsets = tl.arange(0, BLOCK)
     # pass 1: the running max and Σ exp(z - max), and the first index of the largest logit
     top = -float("inf")
-    top_index = 0
+    top_index = tl.zeros((), dtype=tl.int32)
     total = 0.0
     for start in range(0, width, BLOCK):
         cols = start + offsets
@@ -146,11 +146,10 @@ def row_stats(z_cW: torch.Tensor, teacher_MW: torch.Tensor, rows_c: torch.Tensor
     """The row sums of the logits ``z_cW`` against ``teacher_MW[rows_c]`` (nothing written
     over ``z_cW``)."""
     rows, width = z_cW.shape
-    vector = dict(dtype=torch.float32, device=z_cW.device)
     stats = RowStats(
-        torch.empty(rows, **vector),
+        torch.empty(rows, dtype=torch.float32, device=z_cW.device),
         torch.empty(rows, dtype=torch.long, device=z_cW.device),
-        *(torch.empty(rows, **vector) for _ in range(5)),
+        *(torch.empty(rows, dtype=torch.float32, device=z_cW.device) for _ in range(5)),
     )
     if rows:
         _row_stats_kernel[(rows,)](
