@@ -19,7 +19,6 @@ D head dim.
 
 from __future__ import annotations
 
-import copy
 from enum import Enum
 from typing import Any, Protocol
 
@@ -412,16 +411,14 @@ class FlexUnroll:
 
     Every step's keys are laid out over the slots of all ``num_steps`` steps (the later ones
     zero, and masked), so each step calls the kernel at the same shape: compiled once per
-    sequence length (on CUDA) and reused by every step and batch. The block structure is
-    built once per unroll; each step takes it with its own ``upto``. Blocks of later steps
-    are partial blocks on the diagonal: they cost a few blocks per query block, not a
-    recompilation. The price is memory: each step keeps keys of all steps for its backward,
-    k·T per step rather than (i+1)·T.
+    sequence length (on CUDA) and reused by every step and batch. Each step's block mask
+    (its creation compiled too) bounds the steps it sees by a tensor, ``upto``: the later
+    steps' blocks are empty, skipped, and no value is baked into a graph. The price is
+    memory: each step keeps keys of all steps for its backward, k·T rather than (i+1)·T.
     """
 
     def __init__(self, num_steps: int) -> None:
         self.num_steps = num_steps
-        self.blocks: Any = None
 
     def __call__(
         self,
@@ -445,16 +442,11 @@ class FlexUnroll:
         )
         later = [torch.zeros_like(keys[0])] * (self.num_steps - len(keys))
         k_BKSD, v_BKSD = torch.cat([*keys, *later], dim=2), torch.cat([*values, *later], dim=2)
-        if self.blocks is None:
-            every_step = torch.tensor(self.num_steps - 1, device=device)
-            self.blocks = create_block_mask(
-                _ttt_mask_mod(seq, valid, document_ids_BT, every_step),
-                batch, None, seq, k_BKSD.shape[2], device=device,
-                _compile=device.type == "cuda", separate_full_blocks=seq > 1,
-            )  # fmt: skip
-        block_mask = copy.copy(self.blocks)  # the same block tensors, this step's mask
         upto = torch.tensor(len(keys) - 1, device=device)
-        block_mask.mask_mod = _ttt_mask_mod(seq, valid, document_ids_BT, upto)
+        block_mask = create_block_mask(
+            _ttt_mask_mod(seq, valid, document_ids_BT, upto), batch, None, seq,
+            k_BKSD.shape[2], device=device, _compile=device.type == "cuda",
+        )  # fmt: skip
         attend = flex_attention
         if device.type == "cuda":
             if _compiled_flex is None:
