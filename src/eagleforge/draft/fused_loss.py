@@ -53,7 +53,7 @@ def _row_stats_kernel(
     offsets = tl.arange(0, BLOCK)
     # pass 1: the running max and Σ exp(z - max), and the first index of the largest logit
     top = -float("inf")
-    top_index = tl.zeros((), dtype=tl.int32)
+    top_index = 0
     total = 0.0
     for start in range(0, width, BLOCK):
         cols = start + offsets
@@ -84,7 +84,7 @@ def _row_stats_kernel(
         above += tl.sum(tl.where(p > q, q, 0.0), 0)
         plogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), 0)
     tl.store(lse_ptr + row, lse)
-    tl.store(argmax_ptr + row, top_index.to(tl.int64))
+    tl.store(argmax_ptr + row, top_index)  # stored as the pointer's int64
     tl.store(ce_ptr + row, lse * mass - pz)
     tl.store(mass_ptr + row, mass)
     tl.store(alpha_ptr + row, alpha)
