@@ -64,7 +64,7 @@ def test_dry_run_lists_every_part_within_the_budget(tmp_path: Path) -> None:
     assert (
         done.stdout.count(shape) == 4 and "--dtype bfloat16 --master-dtype float32" in done.stdout
     )
-    assert "--seq-len 2048 --steps 10 --loss-kernel auto,torch" in done.stdout
+    assert "--seq-len 2048 --steps 10 --loss-kernel torch,auto" in done.stdout
     assert "--seq-len 8192,16384,32768" in done.stdout
     assert (
         "benchmarks/specforge_step.py" in done.stdout
@@ -151,7 +151,7 @@ def test_ours_is_set_beside_specforge_against_the_targets(tmp_path: Path) -> Non
             "peak_cuda_mib": 20000.0, "mfu": 0.45}  # fmt: skip
     torch_loss = {**ours, "loss_kernel": "torch", "tokens_per_s": 10000.0}
     peer = {"bench": "specforge_step", "tokens_per_s": 20000.0, "peak_cuda_mib": 40000.0}
-    _bench_log(tmp_path, "bench-sdpa", ours, torch_loss)
+    _bench_log(tmp_path, "bench-sdpa", torch_loss, ours)
     _bench_log(tmp_path, "bench-specforge", peer)
     met = check.compare_peer(tmp_path)
     assert met.status == "pass" and met.note == "every target met"
