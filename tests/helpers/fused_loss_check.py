@@ -98,7 +98,7 @@ def main() -> int:
     fused.BLOCK_W = 128  # rows of several blocks, the last ragged
     cases = {
         f"{kind}-{str(dtype).removeprefix('torch.')}": (compare, kind, dtype)
-        for kind in sorted(TRITON_KINDS)
+        for kind in sorted(k.value for k in TRITON_KINDS)
         for dtype in TOLERANCES
     }
     cases["first_of_equal_maxima"] = (first_of_equal_maxima,)

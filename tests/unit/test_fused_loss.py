@@ -46,7 +46,7 @@ def interpreted() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("kind", sorted(TRITON_KINDS))
+@pytest.mark.parametrize("kind", sorted(k.value for k in TRITON_KINDS))
 def test_triton_kernels_equal_the_torch_path(
     interpreted: dict[str, str], kind: str, dtype: str
 ) -> None:

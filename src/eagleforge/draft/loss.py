@@ -73,7 +73,16 @@ class LossKernel(str, Enum):
 
 
 # The kinds the Triton kernels compute: the cross-entropy, α, and mixes of the two.
-TRITON_KINDS = frozenset({"kl", "tv", "neg_log_alpha", "lk_alpha", "kl_tv", "lk_lambda"})
+TRITON_KINDS = frozenset(
+    {
+        LossKind.kl,
+        LossKind.tv,
+        LossKind.neg_log_alpha,
+        LossKind.lk_alpha,
+        LossKind.kl_tv,
+        LossKind.lk_lambda,
+    }
+)
 
 
 @dataclass
@@ -100,10 +109,10 @@ class LossConfig:
         interpreted = os.environ.get("TRITON_INTERPRET") == "1" and self.kernel != LossKernel.auto
         if device.type != "cuda" and not interpreted:
             problem = f"it runs on CUDA, and this run trains on {device.type}"
-        elif self.kind.value not in TRITON_KINDS:
+        elif self.kind not in TRITON_KINDS:
             problem = (
                 f"loss.kind={self.kind.value} has no Triton kernel (it has: "
-                f"{', '.join(sorted(TRITON_KINDS))})"
+                f"{', '.join(sorted(k.value for k in TRITON_KINDS))})"
             )
         elif importlib.util.find_spec("triton") is None:
             problem = "the triton package is not installed"
