@@ -118,17 +118,12 @@ def draft_step(
     ``compile``: the layer's two dense regions (``compiled_layer``) run compiled, the
     attention between them as it is."""
     attend = ATTENTION[attention] if isinstance(attention, AttentionBackend) else attention
-    if compile:
-        layer_qkv, layer_output = compiled_layer()
-        q, k, v = layer_qkv(draft, input_ids_BT, hidden_BTH, position_ids_BT)
-    else:
-        q, k, v = draft.layer_qkv(input_ids_BT, hidden_BTH, position_ids_BT)
+    layer_qkv, layer_output = compiled_layer() if compile else (_layer_qkv, _layer_output)
+    q, k, v = layer_qkv(draft, input_ids_BT, hidden_BTH, position_ids_BT)
     keys.append(k)
     values.append(v)
     attention_BTX = attend(q, keys, values, valid_BT, document_ids_BT)
-    if compile:
-        return layer_output(draft, hidden_BTH, attention_BTX)  # type: ignore[no-any-return]
-    return draft.layer_output(hidden_BTH, attention_BTX)
+    return layer_output(draft, hidden_BTH, attention_BTX)  # type: ignore[no-any-return]
 
 
 def _layer_qkv(
