@@ -149,6 +149,11 @@ def distributed(cfg: ParallelConfig) -> Iterator[World]:
     world = init_distributed(cfg)
     try:
         yield world
+        # Every rank through its last collective before any tears its group down: a rank that
+        # finished first (rank 0 still writing the summary) and destroyed its gloo group while
+        # the other's side was still open aborted now and then ("terminate called without an
+        # active exception"). On an error no rank waits here: the error ends every rank.
+        world.barrier()
     finally:
         if world.distributed and dist.is_initialized():
             dist.destroy_process_group()
