@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import eagleforge.engine.server as engine_server
 from eagleforge.engine.client import SpecCounters, parse_spec_counters
 from eagleforge.engine.config import VLLMConfig
-from eagleforge.engine.server import EngineError, VLLMServer, engine_python, serve_command
+from eagleforge.engine.server import (
+    EngineError,
+    PortTaken,
+    VLLMServer,
+    engine_python,
+    serve_command,
+)
 from eagleforge.errors import ConfigError
 from helpers.fake_vllm import fake_python
 from helpers.processes import alive, wait_gone
@@ -141,3 +149,29 @@ def test_vllms_counters_give_tau_and_acceptance_by_position() -> None:
         [16.0, 7.0, 2.0],
     )
     assert parse_spec_counters("").mean_acceptance_length == 1.0  # no speculation at all
+
+
+def test_a_port_taken_before_the_server_binds_it_is_chosen_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """free_port()'s port is free only until someone binds it (a vLLM starting beside it took
+    one in CI): a server on a port eagleforge chose starts again on another; a port the user
+    gave is kept, and its server fails in one line."""
+    monkeypatch.setenv("FAKE_VLLM_MODE", "serve")
+    cfg = VLLMConfig(python=str(fake_python(tmp_path)))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        chosen = iter([port])
+        free_port = engine_server.free_port
+        monkeypatch.setattr(engine_server, "free_port", lambda: next(chosen, None) or free_port())
+        log = tmp_path / "vllm.log"
+        with VLLMServer(cfg, "/m", log, "float32") as server:
+            assert server.port != port and server.url.endswith(f":{server.port}")
+            assert server.client().healthy()
+        text = log.read_text()
+        assert "Address already in use" in text and text.count("$ ") == 2
+        assert f"--port {port} " in text and f"--port {server.port} " in text
+        with pytest.raises(PortTaken, match=r"exited with status 1 while starting \(OSError"):
+            VLLMServer(cfg, "/m", tmp_path / "given.log", "float32", port=port).start()

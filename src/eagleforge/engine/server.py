@@ -39,6 +39,19 @@ class EngineError(EagleForgeError):
     """The engine is missing, would not start, or stopped; the message names its log."""
 
 
+class PortTaken(EngineError):
+    """The server could not bind its port: someone took it after ``free_port`` found it."""
+
+
+# A port ``free_port`` finds is free only until someone binds it: a server starting at the
+# same moment (vLLM's engine core binds ports of its own) may take it first. A server on a
+# port eagleforge chose gets another this many times; a port the user gave is kept, and its
+# server fails in one line.
+PORT_ATTEMPTS = 3
+# What a server that could not bind its port logs (vLLM's uvicorn; llama.cpp's llama-server)
+PORT_TAKEN = ("Address already in use", "couldn't bind HTTP server socket")
+
+
 def engine_python(cfg: VLLMConfig, *, url_accepted: bool = False) -> Path:
     """The interpreter of the engine's environment; EngineError naming the setting when none
     is there, with what the command takes instead: ``url_accepted`` where it can use a running
@@ -146,6 +159,8 @@ class EngineProcess(ABC):
         self.log_path, self.name = Path(log_path), name
         self.startup_timeout_s, self.timeout_setting = startup_timeout_s, timeout_setting
         self.env_defaults = env or {}
+        self.port_chosen = port is None  # by eagleforge: another may be chosen (PORT_ATTEMPTS)
+        self.log_start = 0  # where this launch's lines begin in the log
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command: list[str] = []
@@ -166,6 +181,7 @@ class EngineProcess(ABC):
             env.setdefault(key, value)
         env["PYTHONUNBUFFERED"] = "1"
         with self.log_path.open("ab") as out:
+            self.log_start = out.tell()
             out.write(f"$ {' '.join(self.command)}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
@@ -183,13 +199,31 @@ class EngineProcess(ABC):
 
     def wait_ready(self: _Process) -> _Process:
         """Wait until the launched server answers /health; stopped, and EngineError, if it
-        exits or does not answer in time."""
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        exits or does not answer in time. A server that could not bind the port eagleforge
+        chose for it is launched again on another (``PORT_ATTEMPTS``)."""
+        attempt = 1
+        while True:
+            try:
+                self._wait_healthy()
+                return self
+            except PortTaken:
+                if not self.port_chosen or attempt == PORT_ATTEMPTS:
+                    self.stop()
+                    raise
+                taken, attempt = self.port, attempt + 1
+                self.stop(grace_s=5.0)  # what its process group left behind
+                self._choose_port()
+                log.warning("%s: port %d was taken before it bound it; starting it on %d",
+                            self.name, taken, self.port)  # fmt: skip
+                self.launch()
+            except BaseException:
+                self.stop()
+                raise
+
+    def _choose_port(self) -> None:
+        self.port = free_port()
+        self.command[self.command.index("--port") + 1] = str(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def _wait_healthy(self) -> None:
         started = time.monotonic()
@@ -199,8 +233,11 @@ class EngineProcess(ABC):
                 raise EngineError(f"{self.name} was stopped while starting")
             status = proc.poll()
             if status is not None:
-                raise EngineError(
-                    f"{self.name} exited with status {status} while starting ({_last_error(self.log_path)}); "
+                text = _log_since(self.log_path, self.log_start)
+                error = _last_error(text)
+                failed = PortTaken if any(sign in text for sign in PORT_TAKEN) else EngineError
+                raise failed(
+                    f"{self.name} exited with status {status} while starting ({error}); "
                     f"its log: {self.log_path}"
                 )
             if self._healthy():
@@ -285,14 +322,19 @@ class VLLMServer(EngineProcess):
         return VLLMClient(self.url, self.cfg.request_timeout_s, self.describe)
 
 
-def _last_error(log_path: Path) -> str:
-    """The last line of the engine's log that says what went wrong (or its last line)."""
+def _log_since(log_path: Path, start: int) -> str:
+    """The engine's log from byte ``start`` on: what its latest launch wrote ("" if none)."""
     try:
-        lines = [
-            ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()
-        ]
+        with log_path.open("rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")
     except OSError:
-        return "no log"
+        return ""
+
+
+def _last_error(text: str) -> str:
+    """The last line of an engine's log that says what went wrong, or its last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for line in reversed(lines):
         if "Error" in line or "error:" in line:
             return line[-300:]
