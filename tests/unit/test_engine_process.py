@@ -160,8 +160,7 @@ def test_a_port_taken_before_the_server_binds_it_is_chosen_again(
     monkeypatch.setenv("FAKE_VLLM_MODE", "serve")
     cfg = VLLMConfig(python=str(fake_python(tmp_path)))
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: /health is refused at once
         port = taken.getsockname()[1]
         chosen = iter([port])
         free_port = engine_server.free_port
