@@ -346,6 +346,21 @@ class _Chunked(NamedTuple):
     grad_weight_WH: torch.Tensor | None
 
 
+def _outputs(
+    hidden_nH: torch.Tensor, weight_WH: torch.Tensor, dtype: torch.dtype, with_grad: bool
+) -> _Chunked:
+    """A chunk loop's buffers, filled chunk by chunk: per-row results in ``dtype``, and with
+    ``with_grad`` the gradients (the lm_head's summed in ``dtype``)."""
+    rows, device = hidden_nH.shape[0], hidden_nH.device
+    return _Chunked(
+        torch.empty(rows, dtype=dtype, device=device),
+        torch.empty(rows, dtype=torch.long, device=device),
+        torch.empty(rows, dtype=dtype, device=device),
+        torch.empty_like(hidden_nH) if with_grad else None,
+        torch.zeros_like(weight_WH, dtype=dtype) if with_grad else None,
+    )
+
+
 # The Triton path's chunk: one [rows, W] buffer in the matmul's dtype (bf16 in training) and no
 # fp32 copy, so its chunks are larger -- and its matmuls fill a GPU better -- at kl's bytes.
 FUSED_CHUNK_BYTES = 256 * 2**20
@@ -386,12 +401,10 @@ def fused_chunk_loop(
         mm_dtype = torch.promote_types(hidden_nH.dtype, torch.float32)
     if chunk_size is None:
         chunk_size = fused_chunk_rows(width, mm_dtype)
-    loss_n = torch.empty(rows, dtype=torch.float32, device=device)
-    alpha_n = torch.empty(rows, dtype=torch.float32, device=device)
-    argmax_n = torch.empty(rows, dtype=torch.long, device=device)
     with_grad = with_grad and scale_n is not None
-    grad_hidden = torch.empty_like(hidden_nH) if with_grad else None
-    grad_weight = torch.zeros_like(weight_WH, dtype=torch.float32) if with_grad else None
+    loss_n, argmax_n, alpha_n, grad_hidden, grad_weight = _outputs(
+        hidden_nH, weight_WH, torch.float32, with_grad
+    )
     weight = weight_WH.to(mm_dtype)
     teacher_MW = teacher_MW if teacher_MW.stride(-1) == 1 else teacher_MW.contiguous()
     teacher_rows = teacher_rows_n.contiguous()
@@ -440,12 +453,10 @@ def _chunk_loop(
         chunk_size = loss_chunk_rows(config.kind, weight_WH.shape[0], hidden_nH.device)
     # half-precision logits are upcast: the softmax over W terms needs fp32 at least
     compute = torch.promote_types(hidden_nH.dtype, torch.float32)
-    loss_n = torch.empty(rows, dtype=compute, device=hidden_nH.device)
-    alpha_n = torch.empty(rows, dtype=compute, device=hidden_nH.device)
-    argmax_n = torch.empty(rows, dtype=torch.long, device=hidden_nH.device)
     with_grad = with_grad and scale_n is not None
-    grad_hidden = torch.empty_like(hidden_nH) if with_grad else None
-    grad_weight = torch.zeros_like(weight_WH, dtype=compute) if with_grad else None
+    loss_n, argmax_n, alpha_n, grad_hidden, grad_weight = _outputs(
+        hidden_nH, weight_WH, compute, with_grad
+    )
     chunk_fn = CHUNK_FNS[config.kind]
     for start in range(0, rows, chunk_size):
         end = min(start + chunk_size, rows)
@@ -573,7 +584,7 @@ def chunked_loss(
         and torch.is_grad_enabled()
         and (hidden_nH.requires_grad or weight_WH.requires_grad)
     )
-    if config.kernel != LossKernel.triton:  # auto resolved here: a caller's own device
+    if config.kernel == LossKernel.auto:  # a caller's own: the trainer's comes resolved
         config = dataclasses.replace(config, kernel=config.kernel_for(hidden_nH.device))
     triton = config.kernel == LossKernel.triton
     rows = (hidden_nH, weight_WH, teacher_MW, teacher_rows_n)
