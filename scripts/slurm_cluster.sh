@@ -6,7 +6,7 @@
 #   bash scripts/slurm_cluster.sh stop     # make slurm-stop: cancel its jobs, stop its daemons
 #   bash scripts/slurm_cluster.sh status
 # Everything it writes is under SLURM_DIR (default .slurm/ in the checkout): slurm.conf, the
-# munge key and socket, slurmctld's state, slurmd's spool, logs and pid files. munged,
+# munge key and socket (but see munge_socket_dir), slurmctld's state, slurmd's spool, logs and pid files. munged,
 # slurmctld and slurmd are started by hand (no systemd) and listen on 127.0.0.1 only (but see
 # --netns-nodes); `stop` stops the processes their pid files name and nothing else (and the
 # namespaces and bridge it made, with what runs there). Two partitions share the node:
@@ -21,7 +21,37 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SLURM_DIR=$(realpath -m "${SLURM_DIR:-.slurm}")
 CONF=$SLURM_DIR/slurm.conf
-MUNGE_SOCKET=$SLURM_DIR/munge/munge.socket.2
+
+# Whether every directory from / down to $1 lets all users through (o+x): munged refuses a
+# socket anywhere else ("Socket is inaccessible: execute permissions for all required").
+traversable() {  # dir
+    local dir=$1
+    while :; do
+        [ -d "$dir" ] && [ $((8#$(stat -c %a "$dir") & 1)) -eq 1 ] || return 1
+        [ "$dir" = / ] && return 0
+        dir=$(dirname "$dir")
+    done
+}
+
+# munge's socket: in SLURM_DIR where all users can reach it, else (a checkout in a 0700 home, as
+# root's is) in a directory of this cluster's own under /tmp (or $TMPDIR), named by SLURM_DIR's
+# hash; empty where neither is reachable (start says so).
+munge_socket_dir() {
+    local tmp
+    if traversable "$(dirname "$SLURM_DIR")"; then
+        echo "$SLURM_DIR/munge"
+        return
+    fi
+    for tmp in /tmp "${TMPDIR:-/tmp}"; do
+        tmp=$(realpath -m "$tmp")
+        if traversable "$tmp"; then
+            echo "$tmp/eagleforge-munge-$(id -u)-$(echo -n "$SLURM_DIR" | sha256sum | cut -c1-12)"
+            return
+        fi
+    done
+}
+MUNGE_SOCKET_DIR=$(munge_socket_dir)
+MUNGE_SOCKET=$MUNGE_SOCKET_DIR/munge.socket.2
 NETNS_SUBNET=${NETNS_SUBNET:-10.77.0}  # the netns nodes' /24, its first three octets
 BRIDGE=efbr0
 MADE=$SLURM_DIR/run/netns.made  # the namespaces and links `start` made, one "kind name" a line
@@ -307,8 +337,12 @@ wait_for_nodes() {  # node...
 
 start() {  # netns nodes
     local netns_nodes=$1 host i nodes
-    mkdir -p "$SLURM_DIR"/{munge,state,spool,run,log}
-    chmod 0755 "$SLURM_DIR" "$SLURM_DIR/munge" "$SLURM_DIR/log"
+    if [ -z "$MUNGE_SOCKET_DIR" ]; then
+        echo "make slurm: munged needs its socket in a directory every user can enter (o+x on each parent), and neither $(dirname "$SLURM_DIR") nor /tmp is one: set SLURM_DIR to such a place (e.g. SLURM_DIR=/srv/eagleforge-slurm make slurm) or chmod o+x its parents" >&2
+        exit 1
+    fi
+    mkdir -p "$SLURM_DIR"/{munge,state,spool,run,log} "$MUNGE_SOCKET_DIR"
+    chmod 0755 "$SLURM_DIR" "$SLURM_DIR/munge" "$SLURM_DIR/log" "$MUNGE_SOCKET_DIR"
     install_slurm
     host=$(node_name)
     if write_conf "$netns_nodes"; then  # a new configuration: daemons of the old one restarted

@@ -5,8 +5,10 @@ llama-server ``make llamacpp`` built is found in the machine's cache."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,45 @@ if not os.environ.get("EAGLEFORGE_LLAMA_SERVER"):
     if _server is not None:
         os.environ["EAGLEFORGE_LLAMA_SERVER"] = str(_server)
 os.environ.setdefault("EAGLEFORGE_CACHE_DIR", str(REPO / ".cache" / "eagleforge"))
+# auto precision computes alike on every CPU kind in the tests: fp32 (eagleforge/precision.py);
+# a test of auto itself sets its own
+os.environ.setdefault("EAGLEFORGE_CPU_BF16", "0")
+# The bf16 guard: a test that computes in bf16 on a CPU without native bf16 (where it runs ~25x
+# slower than fp32) for longer than this fails, naming itself; its processes say so through
+# eagleforge.precision's notes in GUARD_DIR.
+BF16_GUARD_S = float(os.environ.get("EAGLEFORGE_BF16_GUARD_S", "10"))
+GUARD_DIR = Path(tempfile.gettempdir()) / f"eagleforge-bf16-guard-{os.getpid()}"
+os.environ["EAGLEFORGE_BF16_GUARD"] = str(GUARD_DIR)
+SETUP_S = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    shutil.rmtree(GUARD_DIR, ignore_errors=True)  # this test's notes alone
+    yield
+    shutil.rmtree(GUARD_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[SETUP_S] = report.duration
+    if report.when != "call" or not report.passed or not GUARD_DIR.is_dir():
+        return
+    spent = item.stash.get(SETUP_S, 0.0) + report.duration
+    settings = sorted({note.name.split("-", 1)[-1] for note in GUARD_DIR.iterdir()})
+    if settings and spent > BF16_GUARD_S:
+        from eagleforge.precision import cpu_bf16
+
+        report.outcome = "failed"
+        report.longrepr = (
+            f"bf16 guard: {item.nodeid} computed in bf16 ({', '.join(settings)}) for "
+            f"{spent:.0f} s on a CPU without native bf16 ({cpu_bf16().describe()}); over "
+            f"{BF16_GUARD_S:.0f} s: train what only needs a trained draft in auto precision, "
+            "and keep bf16 semantics at a size that fits"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

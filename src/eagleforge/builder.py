@@ -56,6 +56,7 @@ from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import shard_draft
 from eagleforge.parallel.tp import tp_axis
 from eagleforge.parallel.usp import SequenceParallel
+from eagleforge.precision import announce
 from eagleforge.speculative.probe import TauProbe
 from eagleforge.speculative.prompts import PromptRenderer
 from eagleforge.targets.base import TargetBackend, release
@@ -261,13 +262,15 @@ class Resume:
         not changed): a run resumed on another number of ranks keeps its schedule."""
         return not {"trainer.max_num_steps", "trainer.num_epochs"} & self.changes.keys()
 
-    def record(self, identity: dict[str, str]) -> dict[str, Any]:
+    def record(
+        self, identity: dict[str, str], precision: dict[str, dict[str, str]]
+    ) -> dict[str, Any]:
         """The run.json of the checkpoints it saves: the changes made so far, this one's too."""
         history = list(read_run_record(self.checkpoint).get("changes") or [])
         if self.changes:
             changed = {key: [old, new] for key, (old, new) in self.changes.items()}
             history.append({"step": self.step, "changes": changed})
-        return run_record(identity, history)
+        return run_record(identity, history, precision)
 
     def params(self, params: dict[str, Any], continued: bool) -> dict[str, Any]:
         """The params to log: into the MLflow run it continues (``continued``) only what that
@@ -407,6 +410,14 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
     config_yaml = OmegaConf.to_yaml(container)
     params = flatten(yaml.safe_load(config_yaml))  # as the checkpoint's config.yaml reads back
     resume = Resume.check(checkpoint, params) if checkpoint is not None else None
+    # what each dtype setting computes in on this machine, and why, said in one line
+    # (precision.py); recorded in run.json and MLflow
+    dtypes = (
+        config.model.dtype.choice(world.device, say=False),
+        config.trainer.compute_dtype.choice(world.device, say=False),
+    )
+    announce(*dtypes, device=world.device)
+    precision = {c.setting: c.record() for c in dtypes}
 
     # rank 0 fills the caches (converted model, the digests of the target's weight files)
     with world.main_first():
@@ -474,8 +485,12 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         output_dir=output_dir,
         resume=checkpoint is not None,  # the MLflow run of the run that saved it goes on
     )
+    chosen = {f"precision.{k}": v["dtype"] for k, v in precision.items()}
+    if resume is not None and tracker.continued:  # MLflow never changes a logged param
+        chosen = {f"resumed_at_step_{resume.step}.{k}": v for k, v in chosen.items()}
     tracker.log_config(
-        resume.params(params, tracker.continued) if resume is not None else params, config_yaml
+        {**(resume.params(params, tracker.continued) if resume is not None else params), **chosen},
+        config_yaml,
     )
     if inputs.report is not None:
         tracker.log_metrics(inputs.report.metrics("data"), step=0)
@@ -494,6 +509,10 @@ def build(cfg: DictConfig, config: EagleForgeConfig, world: World) -> Components
         config_yaml=config_yaml,
         tau_probe=tau_probe(config, inputs.target, Path(model_dir), tokenizer, inputs, world),
         checkpoint=checkpoint,
-        run_record=resume.record(identity) if resume is not None else run_record(identity, []),
+        run_record=(
+            resume.record(identity, precision)
+            if resume is not None
+            else run_record(identity, [], precision)
+        ),
         profile=config.profile if config.profile.enabled else None,
     )

@@ -215,14 +215,21 @@ def check_identity(checkpoint: Path, identity: Mapping[str, str]) -> None:
         )
 
 
-def run_record(identity: Mapping[str, str], changes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``run.json`` of a checkpoint: format, version, the run's identity and the changes
-    made on resume ({"step": s, "changes": {key: [old, new]}}, oldest first)."""
+def run_record(
+    identity: Mapping[str, str],
+    changes: list[dict[str, Any]],
+    precision: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, Any]:
+    """The ``run.json`` of a checkpoint: format, version, the run's identity, the changes
+    made on resume ({"step": s, "changes": {key: [old, new]}}, oldest first) and the
+    precision each dtype setting resolved to on the machine that saved it ({setting: {asked,
+    dtype, why}}, precision.py)."""
     return {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
         "identity": dict(identity),
         "changes": list(changes),
+        "precision": {k: dict(v) for k, v in (precision or {}).items()},
     }
 
 

@@ -34,6 +34,7 @@ from eagleforge.draft.ttt import PositionStats, simulated_acceptance_length
 from eagleforge.errors import ConfigError
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
+from eagleforge.precision import Precision, choose
 from eagleforge.profiling import ProfileConfig, StepProfiler, peak_memory_mib
 from eagleforge.progress import Progress
 from eagleforge.tracking import Tracker
@@ -44,9 +45,13 @@ log = logging.getLogger(__name__)
 class ComputeDType(str, Enum):
     """Dtype of the draft's forward and backward (autocast; the weights keep their dtype)."""
 
-    auto = "auto"  # bfloat16 on CUDA, float32 on CPU
+    auto = "auto"  # bfloat16 on CUDA and on a CPU with native bf16, else float32 (precision.py)
     float32 = "float32"
     bfloat16 = "bfloat16"
+
+    def choice(self, device: torch.device, *, say: bool = True) -> Precision:
+        """This dtype on ``device``, and why (said once per process)."""
+        return choose("trainer.compute_dtype", self.value, device, say=say)
 
 
 @dataclass
@@ -80,8 +85,8 @@ class TrainerConfig:
     # Show a tqdm progress bar.
     progress_bar: bool = True
     # The draft's compute dtype under autocast (weights and optimizer state keep
-    # optimizer.fp32_master's): auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on a CPU
-    # with bf16 matrix units (avx512_bf16, AMX) trains about 1.4x faster (docs/quality.md).
+    # optimizer.fp32_master's): auto = bfloat16 on CUDA and on a CPU with bf16 matrix units
+    # (avx512_bf16, AMX; ~1.4x faster there), float32 on other CPUs (bf16 ~25x slower there).
     compute_dtype: ComputeDType = ComputeDType.auto
     # auto: continue from the newest complete checkpoint in output_dir/checkpoints, if any
     # (weights, optimizer, scheduler, RNG and data position: the run goes on exactly as if
@@ -330,9 +335,7 @@ class Trainer:
         self.profiler: StepProfiler | None = None
         self._replica: AnyDraft | None = None  # rank 0's whole draft for τ, when sharded
         self.stop = StopSignals()
-        bf16 = cfg.compute_dtype == ComputeDType.bfloat16 or (
-            cfg.compute_dtype == ComputeDType.auto and self.device.type == "cuda"
-        )
+        bf16 = cfg.compute_dtype.choice(self.device).dtype == torch.bfloat16
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
         if parts.checkpoint is not None:
             self.resume(parts.checkpoint)

@@ -61,6 +61,17 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
     state = torch.load(checkpoint / TRAINING_STATE, weights_only=True)
     assert state["progress"]["step"] == 4 and "optimizer" in state and "rng" in state
     assert "model:" in (checkpoint / "config.yaml").read_text()
+    # what auto resolved to on this machine, and why (the suite pins auto to fp32 on a CPU)
+    precision = json.loads((checkpoint / "run.json").read_text())["precision"]
+    assert (
+        precision["model.dtype"]["asked"] == "auto"
+        and "bf16 runs" in precision["model.dtype"]["why"]
+    )
+    assert (
+        precision["model.dtype"]["dtype"]
+        == precision["trainer.compute_dtype"]["dtype"]
+        == "float32"
+    )
     assert not list(checkpoint.parent.glob(".*"))
     load_draft_dir(checkpoint)
 
@@ -72,6 +83,7 @@ def test_tiny_run_trains_checkpoints_and_logs_to_mlflow(tmp_path: Path) -> None:
     run_ = runs[0]
     assert run_.data.params["model.name"] == "tiny"
     assert run_.data.params["optimizer.lr"] == "0.001"
+    assert run_.data.params["precision.trainer.compute_dtype"] == "float32"
     client = mlflow.MlflowClient()
     history = client.get_metric_history(run_.info.run_id, "train/loss")
     assert [m.step for m in history] == [2, 4]

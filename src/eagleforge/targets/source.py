@@ -32,6 +32,7 @@ from omegaconf import MISSING
 from eagleforge.atomic import atomic_directory, remove_stale_temps
 from eagleforge.errors import ConfigError
 from eagleforge.files import follow_umask
+from eagleforge.precision import Precision, choose
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,17 @@ class ModelSource(str, Enum):
 
 
 class TargetDType(str, Enum):
-    auto = "auto"  # bfloat16 on CUDA, float32 on CPU
+    auto = "auto"  # bfloat16 on CUDA and on a CPU with native bf16, else float32 (precision.py)
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self == TargetDType.auto:
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return getattr(torch, self.value)  # type: ignore[no-any-return]
+        return self.choice(device).dtype
+
+    def choice(self, device: torch.device, *, say: bool = True) -> Precision:
+        """This dtype on ``device``, and why (said once per process)."""
+        return choose("model.dtype", self.value, device, say=say)
 
 
 @dataclass
@@ -90,7 +93,8 @@ class ModelConfig:
     revision: str | None = None
     # Allow custom modelling code shipped with the checkpoint.
     trust_remote_code: bool = False
-    # Target weights dtype.
+    # Target weights dtype, and so its decoding's and the engines' (auto: bfloat16 on CUDA and
+    # on a CPU that computes bf16 natively, float32 on others; measured once per machine).
     dtype: TargetDType = TargetDType.auto
     # Target layers feeding the draft, 0-based output-of-layer ids; null = [1, N//2-1, N-4].
     # EAGLE-3 reads exactly 3; a DFlash draft any number (its published recipe: one per
