@@ -6,11 +6,16 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # The CPU build of torch this machine kind ships; any torch>=2.6 works.
 TORCH_SPEC ?= torch==2.13.0
-OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# CPU=avx2 runs the demo, tests and benchmarks as on an AVX2-only CPU (no AVX-512, no bf16 units:
+# most laptops) on an AVX-512 one: torch's, oneDNN's and MKL's kernels capped at AVX2 reproduce
+# its ~100x slower bf16 matmul and its fp32 speed (docs/performance.md#cpu-kinds)
+CPU ?=
+CPU_ENV := $(if $(filter avx2,$(CPU)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2)
+OFFLINE := $(CPU_ENV) HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv vllm llamacpp demo quality check test test-all test-quality lint format bench mlflow-server slurm slurm-stop clean gpu-wheels gpu-check-dry-run
+.PHONY: help venv vllm llamacpp test-envs demo quality check test test-all test-quality lint format bench mlflow-server slurm slurm-stop clean gpu-wheels gpu-check-dry-run
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -122,10 +127,16 @@ REQUIRE_LLAMACPP := EAGLEFORGE_REQUIRE_LLAMACPP=$(if $(LLAMACPP_OK),1,0)
 TEST_WORKERS ?= 2
 XDIST_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 REQUIRE_TIERS := $(REQUIRE_ENGINE) $(REQUIRE_LLAMACPP) $(REQUIRE_SLURM)
-test: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run the test suite, the vLLM, llama.cpp and SLURM tiers included (CPU; gpu tests skip without CUDA)
+# The environments the tiers need, side by side: .venv and the engine's .venv-vllm download and
+# unpack at once, and llama-server (on both cores) builds while the engine's installs.
+TEST_ENVS := $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER)
+test-envs:
+	@$(MAKE) --no-print-directory -j2 $(TEST_ENVS)
+
+test: test-envs ## Run the test suite, the vLLM, llama.cpp and SLURM tiers included (CPU; gpu tests skip without CUDA)
 	$(OFFLINE) $(REQUIRE_TIERS) $(XDIST_PYTEST) -m "not slow" $(PYTEST_ARGS)
 
-test-all: $(STAMP) $(ENGINE_ENV) $(LLAMACPP_SERVER) ## Run every test tier, slow ones included
+test-all: test-envs ## Run every test tier, slow ones included
 	$(OFFLINE) $(REQUIRE_TIERS) $(XDIST_PYTEST) $(PYTEST_ARGS)
 
 check: $(STAMP) ## The inner loop: the unit tier on every core (<= 3 min on 2 cores; make test runs every tier)

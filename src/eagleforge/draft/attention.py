@@ -347,6 +347,11 @@ def _merged(
     return out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)  # type: ignore[no-any-return]
 
 
+def right_padded(valid_BT: torch.Tensor) -> bool:
+    """Whether every row's valid positions come first, its padding (if any) last."""
+    return bool((valid_BT[:, 1:] <= valid_BT[:, :-1]).all())
+
+
 def sdpa_ttt_attention(
     q_BNTD: torch.Tensor,
     keys: list[torch.Tensor],
@@ -361,6 +366,11 @@ def sdpa_ttt_attention(
         return _merged(kernel, q_BNTD, keys, values)
     batch, _, seq, _ = q_BNTD.shape
     mask = None
+    # right padding needs no mask: under causal attention a valid query never reaches the
+    # padding's keys (and the padding's own outputs are never used), and the causal kernel
+    # skips the blocks above the diagonal that a mask makes it compute
+    if document_ids_BT is None and (valid_BT is None or right_padded(valid_BT)):
+        valid_BT = None
     if valid_BT is not None or document_ids_BT is not None:
         if valid_BT is None:
             valid_BT = torch.ones(batch, seq, dtype=torch.bool, device=q_BNTD.device)
