@@ -31,6 +31,8 @@ os.environ.setdefault("EAGLEFORGE_CACHE_DIR", str(REPO / ".cache" / "eagleforge"
 # auto precision computes alike on every CPU kind in the tests: fp32 (eagleforge/precision.py);
 # a test of auto itself sets its own
 os.environ.setdefault("EAGLEFORGE_CPU_BF16", "0")
+# and draft.attention=auto takes sdpa rather than the faster one measured on this CPU
+os.environ.setdefault("EAGLEFORGE_ATTENTION_AUTO", "sdpa")
 # The bf16 guard: a test that computes in bf16 on a CPU without native bf16 (where it runs ~25x
 # slower than fp32) for longer than this fails, naming itself; its processes say so through
 # eagleforge.precision's notes in GUARD_DIR.

@@ -286,7 +286,8 @@ def report_sets(summaries: list[Summary], eval_dir: Path, tracker: Tracker) -> N
 
 
 def target_dtype(config: EagleForgeConfig) -> torch.dtype:
-    """model.dtype resolved for this machine (``auto``: bf16 on CUDA, fp32 on a CPU)."""
+    """model.dtype resolved for this machine (``auto``: bf16 on CUDA and on a CPU with native
+    bf16, else fp32: eagleforge.precision)."""
     return config.model.dtype.torch_dtype(resolve_device(config.parallel))
 
 

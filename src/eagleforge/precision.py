@@ -27,9 +27,11 @@ import logging
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -130,10 +132,37 @@ def _units(flags: str) -> str:
     return f"{text}, capped by {' '.join(capped)}" if capped else text
 
 
-def _cache_key(model: str, flags: str) -> str:
+def machine_key() -> str:
+    """This machine to its kernels: the CPU's name and flags, torch's version, the ISA caps."""
+    model, flags = _cpu_flags()
     isa = "|".join(f"{k}={os.environ.get(k, '')}" for k in ISA_ENV)
     text = f"{CACHE_VERSION}|{model}|{flags}|{torch.__version__}|{isa}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def measured_once(file: str, key: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()``'s answer for ``key`` on this machine: read from ``file`` in eagleforge's
+    cache where measured before (by any process), else measured now and stored there. An
+    unwritable cache measures again next time."""
+    path = resolve_cache_dir(None) / file
+    entry = f"{machine_key()}/{key}"
+    try:
+        cached = json.loads(path.read_text()).get(entry)
+    except (OSError, ValueError, AttributeError):
+        cached = None
+    if isinstance(cached, dict):
+        return cached
+    found = measure()
+    try:
+        entries = json.loads(path.read_text()) if path.is_file() else {}
+        entries = entries if isinstance(entries, dict) else {}
+        entries[entry] = {**found, "cpu": _cpu_flags()[0], "torch": torch.__version__}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(entries, indent=1) + "\n")
+    except (OSError, ValueError):
+        pass
+    return found
 
 
 def _time(fn: object, budget_s: float) -> float:
@@ -176,26 +205,11 @@ def measure_cpu_bf16() -> float:
 def cpu_bf16() -> CpuBf16:
     """This CPU's bf16 against fp32: measured once per machine (and ISA caps), then read from
     the cache."""
-    model, flags = _cpu_flags()
-    key = _cache_key(model, flags)
-    path = resolve_cache_dir(None) / CACHE_FILE
-    try:
-        cached = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        cached = None
-    if isinstance(cached, dict) and isinstance(cached.get("slowdown"), (int, float)):
-        return CpuBf16(float(cached["slowdown"]), _units(flags))
-    found = CpuBf16(measure_cpu_bf16(), _units(flags))
-    try:
-        entries = json.loads(path.read_text()) if path.is_file() else {}
-        entries = entries if isinstance(entries, dict) else {}
-        entries[key] = {"cpu": model, **asdict(found), "torch": torch.__version__}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path) as tmp:
-            tmp.write_text(json.dumps(entries, indent=1) + "\n")
-    except (OSError, ValueError):
-        pass  # an unwritable cache measures again next time
-    return found
+    found = measured_once(CACHE_FILE, "bf16", lambda: {"slowdown": measure_cpu_bf16()})
+    slowdown = found.get("slowdown")
+    if not isinstance(slowdown, (int, float)):  # a damaged entry
+        slowdown = measure_cpu_bf16()
+    return CpuBf16(float(slowdown), _units(_cpu_flags()[1]))
 
 
 _said: set[tuple[str, str, str]] = set()

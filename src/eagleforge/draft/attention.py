@@ -8,6 +8,8 @@ backend is tested against.
 Backends: ``eager`` (the reference), ``sdpa`` (step-0 keys through PyTorch's flash kernel,
 diagonal keys as dot products, merged exactly by log-sum-exp; O(T) extra memory; CPU) and
 ``flex`` (flex_attention with the TTT mask as a BlockMask; CUDA, forward-only on CPU).
+``auto`` is ``sdpa`` on CUDA and, on a CPU, the faster of ``sdpa`` and ``eager`` for each kind
+of call, measured once per machine (``FastestAttention``).
 
 Every backend takes ``valid_BT`` (True for real tokens) or None when the batch has no padding,
 which lets ``sdpa`` use the plain causal kernel, and ``document_ids_BT`` for packed rows (step-0
@@ -19,6 +21,10 @@ D head dim.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Protocol
 
@@ -26,12 +32,15 @@ import torch
 
 from eagleforge.errors import ConfigError
 from eagleforge.layers import causal_document_mask
+from eagleforge.precision import measured_once
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(str, Enum):
     """How the TTT attention is computed (see ``draft/attention.py``)."""
 
-    auto = "auto"  # sdpa, on every device
+    auto = "auto"  # CUDA: sdpa; CPU: the faster of sdpa and eager, measured per machine
     eager = "eager"  # materialised [T, steps*T] mask: the reference
     sdpa = "sdpa"  # PyTorch flash kernel for step-0 keys + log-sum-exp merge of the diagonal
     flex = "flex"  # flex_attention with a BlockMask (CUDA; on CPU forward only)
@@ -482,3 +491,106 @@ def flex_ttt_attention(
     unfused reference forward only, which is what the CPU tests check against eager.
     """
     return FlexUnroll(len(keys))(q_BNTD, keys, values, valid_BT, document_ids_BT)
+
+
+# sdpa | eager: what draft.attention=auto takes on a CPU instead of measuring (the test suite
+# sets sdpa, so that its runs compute alike on every machine)
+AUTO_ENV = "EAGLEFORGE_ATTENTION_AUTO"
+KERNELS_FILE = "kernels.json"
+
+
+class FastestAttention:
+    """``draft.attention=auto`` on a CPU: for each kind of call -- dtype, query and kv heads,
+    head width, sequence length (to the next power of two) and whether its rows need a mask
+    (packed, or padded other than on the right) -- the faster of ``sdpa`` and ``eager``,
+    timed forward and backward on random tensors of that shape the first time this machine
+    meets it (``kernels.json`` in eagleforge's cache; ~0.1-3 s once), then read back. Which
+    one is faster depends on the CPU: where its flash kernel runs AVX-512, ``sdpa``; on an
+    AVX2-only CPU with a mask, often ``eager`` (docs/performance.md#cpu-kinds)."""
+
+    def __init__(self) -> None:
+        self.chosen: dict[tuple[Any, ...], AttentionBackend] = {}
+
+    def __call__(
+        self,
+        q_BNTD: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        valid_BT: torch.Tensor | None,
+        document_ids_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _, heads, seq, head_dim = q_BNTD.shape
+        masked = document_ids_BT is not None or (
+            valid_BT is not None and not right_padded(valid_BT)
+        )
+        kind = (
+            q_BNTD.dtype,
+            heads,
+            keys[0].shape[1],
+            head_dim,
+            1 << (seq - 1).bit_length(),
+            masked,
+        )
+        backend = self.chosen.get(kind)
+        if backend is None:
+            backend = self.chosen[kind] = self.choose(*kind)
+        return TTT_KERNELS[backend](q_BNTD, keys, values, valid_BT, document_ids_BT)
+
+    def choose(
+        self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int, masked: bool
+    ) -> AttentionBackend:
+        pinned = os.environ.get(AUTO_ENV, "").strip()
+        if pinned:
+            return AttentionBackend(pinned)
+        dtype_name = str(dtype).removeprefix("torch.")
+        key = f"ttt_attention/{dtype_name}/{heads}x{kv_heads}x{head_dim}/T{seq}/{'masked' if masked else 'causal'}"
+        times = measured_once(
+            KERNELS_FILE,
+            key,
+            lambda: time_ttt_attention(dtype, heads, kv_heads, head_dim, seq, masked),
+        )
+        backend = AttentionBackend(min(("sdpa", "eager"), key=lambda b: float(times[b])))
+        log.info(
+            "TTT attention auto at T<=%d (%s, %s): %s (sdpa %.1f ms, eager %.1f ms a step, "
+            "measured on this CPU)",
+            seq, "masked" if masked else "causal", dtype_name, backend.value,
+            1e3 * times["sdpa"], 1e3 * times["eager"],
+        )  # fmt: skip
+        return backend
+
+
+def time_ttt_attention(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int, masked: bool
+) -> dict[str, float]:
+    """Seconds of one forward and backward of each CPU backend over a row of ``seq`` tokens
+    and two TTT steps (best of two after a warm-up; a backend slower than the other's whole
+    measurement by 4x is timed once)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(n: int) -> torch.Tensor:
+        return torch.randn(1, n, seq, head_dim, generator=generator).to(dtype).requires_grad_()
+
+    q = tensor(heads)
+    keys, values = [tensor(kv_heads) for _ in range(2)], [tensor(kv_heads) for _ in range(2)]
+    valid = torch.ones(1, seq, dtype=torch.bool)
+    documents = (torch.arange(seq) >= seq // 2).long().unsqueeze(0) if masked else None
+
+    def step(fn: Callable[..., torch.Tensor]) -> float:
+        started = time.perf_counter()
+        fn(q, keys, values, valid if masked else None, documents).sum().backward()
+        return time.perf_counter() - started
+
+    times: dict[str, float] = {}
+    for name, fn in (("sdpa", sdpa_ttt_attention), ("eager", eager_ttt_attention)):
+        first = step(fn)
+        if times and first > 4 * min(times.values()):
+            times[name] = first  # clearly the slower one: no need to time it again
+            continue
+        times[name] = min(step(fn), step(fn))
+    return times
+
+
+TTT_KERNELS: dict[AttentionBackend, Callable[..., torch.Tensor]] = {
+    AttentionBackend.eager: eager_ttt_attention,
+    AttentionBackend.sdpa: sdpa_ttt_attention,
+}

@@ -124,9 +124,10 @@ class DraftConfig:
     def attention_for(self, device: torch.device) -> AttentionBackend:
         """The backend to run on ``device``; ConfigError where the chosen one cannot run."""
         if self.attention == AttentionBackend.auto:
-            # on CUDA too since the H200 check of 2026-12-04: its outputs and gradients equal
-            # eager's (tests/gpu), O(k·T) memory where eager's is O(k·T²)
-            return AttentionBackend.sdpa
+            # CUDA: sdpa since the H200 check of 2026-12-04 (its outputs and gradients equal
+            # eager's, tests/gpu; O(k·T) memory where eager's is O(k·T²)). A CPU: the faster
+            # of sdpa and eager for each kind of call, measured (attention.FastestAttention)
+            return AttentionBackend.sdpa if device.type == "cuda" else AttentionBackend.auto
         if self.attention == AttentionBackend.flash:
             if device.type != "cuda":
                 raise ConfigError(FLASH_CUDA_ONLY)

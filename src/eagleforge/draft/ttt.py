@@ -24,6 +24,7 @@ import torch
 from eagleforge.batch import TTTBatch, shift_left
 from eagleforge.draft.attention import (
     AttentionBackend,
+    FastestAttention,
     FlexUnroll,
     eager_ttt_attention,
     flash_ttt_attention,
@@ -62,6 +63,7 @@ class UnrollAttention(Protocol):
 
 
 ATTENTION: dict[AttentionBackend, AttentionFn] = {
+    AttentionBackend.auto: FastestAttention(),  # resolved to auto on a CPU only
     AttentionBackend.eager: eager_ttt_attention,
     AttentionBackend.sdpa: sdpa_ttt_attention,
     AttentionBackend.flex: flex_ttt_attention,
