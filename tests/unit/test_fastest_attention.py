@@ -82,6 +82,11 @@ def test_a_pinned_backend_is_not_measured(measured, monkeypatch) -> None:  # typ
     assert measured == [] and [v.value for v in auto.chosen.values()] == ["eager"]
 
 
-def test_the_real_timing_covers_both_backends() -> None:
-    times = time_ttt_attention(torch.float32, 4, 2, 8, 32, masked=True)
+@pytest.mark.parametrize("mode", ["train", "no_grad", "inference"])
+def test_the_real_timing_covers_both_backends_whatever_the_callers_mode(mode: str) -> None:
+    """The first call of a run may be its evaluation at step 0, under no_grad."""
+    context = {"train": torch.enable_grad, "no_grad": torch.no_grad,
+               "inference": torch.inference_mode}[mode]  # fmt: skip
+    with context():
+        times = time_ttt_attention(torch.float32, 4, 2, 8, 32, masked=True)
     assert set(times) == {"sdpa", "eager"} and all(0 < t < 10 for t in times.values())

@@ -95,11 +95,11 @@ def test_measured_once_per_machine_and_again_under_an_isa_cap(cpu, monkeypatch, 
     assert cpu_bf16().slowdown == 0.4 and calls == [0.4]
     (entry,) = json.loads((tmp_path / "cache" / "precision.json").read_text()).values()
     assert entry["slowdown"] == 0.4
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # another CPU to the kernels
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")  # another CPU to the kernels
     monkeypatch.setattr(precision, "measure_cpu_bf16", lambda: calls.append(20.0) or 20.0)
     cpu_bf16.cache_clear()
     assert cpu_bf16().slowdown == 20.0 and calls == [0.4, 20.0]
-    assert "capped by ATEN_CPU_CAPABILITY=avx2" in cpu_bf16().units
+    assert "ONEDNN_MAX_CPU_ISA=SSE41" in cpu_bf16().units
 
 
 def test_the_measurement_tells_the_two_dtypes_apart() -> None:

@@ -564,29 +564,33 @@ def time_ttt_attention(
 ) -> dict[str, float]:
     """Seconds of one forward and backward of each CPU backend over a row of ``seq`` tokens
     and two TTT steps (best of two after a warm-up; a backend slower than the other's whole
-    measurement by 4x is timed once)."""
-    generator = torch.Generator().manual_seed(0)
+    measurement by 4x is timed once). The first call may come from an evaluation: gradients
+    are on here whatever the caller's mode."""
+    with torch.inference_mode(False), torch.enable_grad():
+        generator = torch.Generator().manual_seed(0)
 
-    def tensor(n: int) -> torch.Tensor:
-        return torch.randn(1, n, seq, head_dim, generator=generator).to(dtype).requires_grad_()
+        def tensor(n: int) -> torch.Tensor:
+            x = torch.randn(1, n, seq, head_dim, generator=generator)
+            return x.to(dtype).requires_grad_()
 
-    q = tensor(heads)
-    keys, values = [tensor(kv_heads) for _ in range(2)], [tensor(kv_heads) for _ in range(2)]
-    valid = torch.ones(1, seq, dtype=torch.bool)
-    documents = (torch.arange(seq) >= seq // 2).long().unsqueeze(0) if masked else None
+        q = tensor(heads)
+        keys = [tensor(kv_heads) for _ in range(2)]
+        values = [tensor(kv_heads) for _ in range(2)]
+        valid = torch.ones(1, seq, dtype=torch.bool) if masked else None
+        documents = (torch.arange(seq) >= seq // 2).long().unsqueeze(0) if masked else None
 
-    def step(fn: Callable[..., torch.Tensor]) -> float:
-        started = time.perf_counter()
-        fn(q, keys, values, valid if masked else None, documents).sum().backward()
-        return time.perf_counter() - started
+        def step(fn: Callable[..., torch.Tensor]) -> float:
+            started = time.perf_counter()
+            fn(q, keys, values, valid, documents).sum().backward()
+            return time.perf_counter() - started
 
-    times: dict[str, float] = {}
-    for name, fn in (("sdpa", sdpa_ttt_attention), ("eager", eager_ttt_attention)):
-        first = step(fn)
-        if times and first > 4 * min(times.values()):
-            times[name] = first  # clearly the slower one: no need to time it again
-            continue
-        times[name] = min(step(fn), step(fn))
+        times: dict[str, float] = {}
+        for name, fn in (("sdpa", sdpa_ttt_attention), ("eager", eager_ttt_attention)):
+            first = step(fn)
+            if times and first > 4 * min(times.values()):
+                times[name] = first  # clearly the slower one: no need to time it again
+                continue
+            times[name] = min(step(fn), step(fn))
     return times
 
 
