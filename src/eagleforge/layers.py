@@ -6,7 +6,7 @@ Shape suffixes: B batch, T sequence.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -95,3 +95,33 @@ def init_trainable(module: nn.Module, std: float, generator: torch.Generator | N
             param.zero_()
         else:
             param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+# A CPU's fp32 matmul library packs the weight of ``x @ W.T`` for every call: with a few rows
+# of x (decoding: the verified tokens of one round) that costs 3-4x the one-row product, where
+# ``W @ x.T`` streams W once, as a one-row product does (docs/performance.md#cpu-kinds).
+SKINNY_ROWS = 16
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def _skinny_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > SKINNY_ROWS or torch.is_grad_enabled() or x.device.type != "cpu":
+        return F.linear(x, self.weight, self.bias)
+    out = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
+    return out if self.bias is None else out + self.bias
+
+
+def skinny_linears(model: ModuleT) -> ModuleT:
+    """``model`` with each fp32 ``nn.Linear`` on a CPU computing few-row inputs without
+    gradients (decoding's forwards) as ``W @ x.T``; everything else as before."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            type(module) is nn.Linear
+            and isinstance(weight, torch.Tensor)
+            and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+        ):
+            module.forward = _skinny_linear.__get__(module)  # type: ignore[method-assign]
+    return model

@@ -18,6 +18,7 @@ import torch
 
 from eagleforge.draft.model import Eagle3Draft
 from eagleforge.errors import ConfigError
+from eagleforge.layers import skinny_linears
 from eagleforge.targets.hf import HFTarget, kv_cache_argument
 
 # Shape suffixes: M new positions, S key positions, V target vocab, W draft vocab,
@@ -54,6 +55,7 @@ class TargetRunner:
     def __init__(self, target: HFTarget) -> None:
         self.target = target
         self.device = target.model.device
+        skinny_linears(target.model)  # a round's few verified tokens at one token's cost
         self.cache: Any = None
         self.forwards = 0
         self.cache_argument = kv_cache_argument(target.model)
@@ -141,7 +143,7 @@ class DraftRunner:
     attention itself."""
 
     def __init__(self, draft: Eagle3Draft) -> None:
-        self.draft = draft.eval()
+        self.draft = skinny_linears(draft.eval())
         self.buffer_k: torch.Tensor | None = None  # [1, K, capacity, D]
         self.buffer_v: torch.Tensor | None = None
         self.cached = 0  # committed positions in the buffers
