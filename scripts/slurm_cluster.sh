@@ -403,6 +403,7 @@ status() {
             echo "$name: not running"
         fi
     done
+    echo "munge socket: ${MUNGE_SOCKET_DIR:-none reachable}/munge.socket.2"
     [ -s "$MADE" ] && echo "made:" $(cat "$MADE")
     running slurmctld "$SLURM_DIR/run/slurmctld.pid" >/dev/null && sinfo
     return 0
