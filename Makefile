@@ -154,7 +154,7 @@ format: $(STAMP) ## Apply ruff formatting and fixes
 	$(VENV)/bin/ruff format src tests benchmarks scripts
 	$(VENV)/bin/ruff check --fix src tests benchmarks scripts
 
-TTT_STEP := $(OFFLINE) $(PY) benchmarks/ttt_step.py --ttt-length 7 --steps 5 --dtype float32 --attention sdpa --json
+TTT_STEP := $(OFFLINE) $(PY) benchmarks/ttt_step.py --ttt-length 7 --steps 5 --dtype float32 --attention auto --json
 # `make bench FINGERPRINT_GB=16` also fingerprints 16 GB of synthetic weights (written to the
 # temp dir, then deleted; docs/training.md#the-targets-weights-fingerprint)
 FINGERPRINT_GB ?=
