@@ -8,9 +8,11 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 # CPU=avx2 runs the demo, tests and benchmarks as on an AVX2-only CPU (no AVX-512, no bf16 units:
 # most laptops) on an AVX-512 one: torch's, oneDNN's and MKL's kernels capped at AVX2 reproduce
-# its ~100x slower bf16 matmul and its fp32 speed (docs/performance.md#cpu-kinds)
+# its ~100x slower bf16 matmul and its fp32 speed (docs/performance.md#cpu-kinds). torch.compile's
+# kernels for the capped CPU go to a cache of their own: the default one's are this CPU's, and
+# an uncapped run that loads kernels built under the cap aborts ("double free or corruption").
 CPU ?=
-CPU_ENV := $(if $(filter avx2,$(CPU)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2)
+CPU_ENV := $(if $(filter avx2,$(CPU)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 TORCHINDUCTOR_CACHE_DIR=$${TMPDIR:-/tmp}/torchinductor-avx2-$$(id -u))
 OFFLINE := $(CPU_ENV) HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PYTEST_ARGS ?=
 
