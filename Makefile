@@ -71,7 +71,7 @@ llamacpp: $(STAMP) ## Build llama.cpp's llama-server (CPU) into eagleforge's cac
 # Each demo in its own run directory, so a second `make demo` trains anew.
 DEMO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
 DEMO_RUN ?= outputs/runs/demo-$(DEMO_TIME)
-demo: $(STAMP) ## Train a SmolLM2-135M draft on its own words on this CPU, then measure its real tau and speedup (~8 min)
+demo: $(STAMP) ## Train a SmolLM2-135M draft on its own words on this CPU, then measure its real tau and speedup (6-9 min)
 	@# 1. the target writes 320 prompts (Magpie) and answers them: what the draft learns to predict
 	$(OFFLINE) $(PY) -m eagleforge.regenerate +model=smollm2 +experiment=cpu_demo \
 		regenerate.output=$(DEMO_RUN)/data/magpie.jsonl hydra.run.dir=$(DEMO_RUN)/data
