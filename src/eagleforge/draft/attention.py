@@ -534,7 +534,9 @@ class FastestAttention:
         backend = self.chosen.get(kind)
         if backend is None:
             backend = self.chosen[kind] = self.choose(*kind)
-        return TTT_KERNELS[backend](q_BNTD, keys, values, valid_BT, document_ids_BT)
+        # unmasked rows are told so: the kernel does not test the padding's place again
+        valid = valid_BT if masked else None
+        return TTT_KERNELS[backend](q_BNTD, keys, values, valid, document_ids_BT)
 
     def choose(
         self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int, masked: bool
