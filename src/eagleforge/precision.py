@@ -212,6 +212,19 @@ def cpu_bf16() -> CpuBf16:
     return CpuBf16(float(slowdown), _units(_cpu_flags()[1]))
 
 
+def flush_subnormals() -> None:
+    """Has this process's CPU threads flush subnormal floats (below 1.2e-38) to zero. An x86
+    CPU computes them through microcode, ~200x slower than normal ones, and softmax makes them:
+    attention's far-away probabilities, then their gradients, so that a trained draft's
+    backward ran 1.5x slower (tests/unit/test_precision.py). No value above 1.2e-38 changes.
+    Called before the first thread count is set: OpenMP's worker threads take the setting from
+    the thread that starts them."""
+    global SUBNORMALS_FLUSHED
+    SUBNORMALS_FLUSHED = torch.set_flush_denormal(True)
+
+
+# whether flush_subnormals took (the CPU supports it): said with the CPU's precision
+SUBNORMALS_FLUSHED = False
 _said: set[tuple[str, str, str]] = set()
 
 
@@ -226,6 +239,8 @@ def choose(setting: str, asked: str, device: torch.device, *, say: bool = True) 
         dtype, why = torch.bfloat16, f"auto on {device.type}"
     else:
         dtype, why = (torch.bfloat16 if cpu.native else torch.float32), cpu.describe()
+    if cpu is not None and SUBNORMALS_FLUSHED:
+        why += "; subnormal floats flushed to zero"
     chosen = Precision(setting, asked, dtype, why)
     if cpu is not None and dtype == torch.bfloat16 and not cpu.fast:
         _guard(chosen)

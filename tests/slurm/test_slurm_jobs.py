@@ -71,7 +71,11 @@ LAUNCHER = (
 )  # fmt: skip
 # Two tasks of one job on one allocated CPU.
 TWO_TASKS = ("hydra.launcher.tasks_per_node=2", "+hydra.launcher.additional_parameters.overcommit=true")  # fmt: skip
-STEP_TIMEOUT_S = 420  # any wait of a scenario, from its start
+STEP_TIMEOUT_S = 420  # any wait of a scenario, from its start or its first job's
+# How long a scenario's first job may queue for one of the cluster's slots: the scenarios'
+# jobs outnumber them, and on a slow day (the other worker's engines on the same two cores)
+# the last ones start minutes after the first.
+QUEUE_TIMEOUT_S = 600
 
 
 # ---------------------------------------------------------------- the cluster, asked
@@ -215,7 +219,18 @@ class Scenario:
             self.deadline,
         )
         self.jobs = jobs
+        self.wait_start()
         return jobs
+
+    def wait_start(self) -> None:
+        """Waits for the first of its jobs to leave the queue; its waits count from then."""
+        wait_for(
+            f"{self.name}'s job to start",
+            lambda: any(job_state(job) != "PENDING" for job in self.jobs),
+            time.monotonic() + QUEUE_TIMEOUT_S,
+            every_s=1,
+        )
+        self.deadline = time.monotonic() + STEP_TIMEOUT_S
 
     def finish(self, process: subprocess.Popen[str]) -> int:
         rc = process.wait(timeout=max(1.0, self.deadline - time.monotonic()))
@@ -339,6 +354,7 @@ def sbatch_script(s: Scenario, *placement: str) -> str:
     )  # fmt: skip
     job = done.stdout.strip().split(";")[0]
     s.jobs = [job]
+    s.wait_start()
     return job
 
 
@@ -470,7 +486,7 @@ class Campaign:
 
     def outcome(self, name: str) -> Scenario:
         scenario = self.scenarios[name]
-        scenario.done.wait(timeout=STEP_TIMEOUT_S + 60)
+        scenario.done.wait(timeout=QUEUE_TIMEOUT_S + 2 * STEP_TIMEOUT_S)
         if scenario.error is not None:
             output = scenario.root / "driver.log"
             said = output.read_text()[-3000:] if output.is_file() else ""

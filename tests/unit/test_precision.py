@@ -155,3 +155,32 @@ def test_the_suite_guard_fails_a_test_long_in_bf16_on_a_cpu_without_it(tmp_path:
         "bf16 guard: test_guarded.py::test_long_in_bf16 computed in bf16 (trainer.compute_dtype)"
         in done.stdout
     )
+
+
+FLUSHED_ON_EVERY_THREAD = """
+import torch
+from eagleforge.parallel import ParallelConfig, resolve_device
+from eagleforge.precision import choose
+resolve_device(ParallelConfig(device="cpu", num_threads=2))
+tiny = torch.full((1024, 512), 2.0**-130)  # subnormal; 512 of them sum to a normal 2**-121
+small = torch.full((1024, 512), 2.0**-100)  # normal: its sums are exact
+ones = torch.ones(512, 1024)  # a product large enough for both threads to take a share
+print(int((tiny @ ones).count_nonzero()), bool(((small @ ones) == 2.0**-91).all()))
+print(choose("trainer.compute_dtype", "float32", torch.device("cpu"), say=False).why)
+"""
+
+
+def test_subnormals_are_flushed_to_zero_on_every_cpu_thread_and_said() -> None:
+    """A CPU command's threads (OpenMP's workers too: they take the setting from the thread
+    that starts them) compute subnormal floats as zero -- x86 runs them ~200x slower, and
+    softmax's gradients are full of them -- and leave every normal float as it was."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FLUSHED_ON_EVERY_THREAD],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    counts, why = done.stdout.splitlines()
+    assert counts == "0 True", done.stdout
+    assert why == "as asked; subnormal floats flushed to zero"

@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 
 from eagleforge.errors import ConfigError
+from eagleforge.precision import flush_subnormals
 
 
 class DeviceKind(str, Enum):
@@ -118,15 +119,18 @@ class ParallelDims:
 
 
 def resolve_device(cfg: ParallelConfig, local_rank: int = 0) -> torch.device:
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     if cfg.device == DeviceKind.cuda and not torch.cuda.is_available():
         raise ConfigError(
             "parallel.device=cuda but CUDA is not available; use parallel.device=cpu or auto."
         )
-    if cfg.device == DeviceKind.cpu or (
+    cpu = cfg.device == DeviceKind.cpu or (
         cfg.device == DeviceKind.auto and not torch.cuda.is_available()
-    ):
+    )
+    if cpu:  # before the thread count: the threads it starts take the setting
+        flush_subnormals()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if cpu:
         return torch.device("cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.cuda.set_device(local_rank)
