@@ -12,6 +12,7 @@ at the same path. It runs until stopped (Ctrl-C, SIGTERM), and prints the URL to
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -43,8 +44,8 @@ def serve(config: EagleForgeConfig) -> None:
             "into, on a filesystem the trainers mount at the same path."
         )
     check_inputs(config, data=False)
-    files = Path(cfg.files_dir).resolve()
-    files.mkdir(parents=True, exist_ok=True)
+    files = writable_directory(Path(cfg.files_dir).resolve(), "serve_target.files_dir")
+    refuse_taken_port(cfg.host, cfg.port)
     model_dir = local_model_dir(
         resolve_model_dir(config.model, config.resolved_cache_dir()), config.model.revision
     )
@@ -70,6 +71,37 @@ def serve(config: EagleForgeConfig) -> None:
         while server.alive():
             time.sleep(2.0)
         raise EngineError(f"the capture server stopped; its log: {server.log_path}")
+
+
+def writable_directory(path: Path, setting: str) -> Path:
+    """``path``, made if missing and written once (a file made and removed), or one line
+    naming ``setting``: a file there, a read-only or special filesystem, no space left."""
+    probe = path / f".eagleforge-write-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"{setting}={path}: the server cannot write there ({e.strerror or e}); give a "
+            "directory it can write, on a filesystem the trainers mount at the same path."
+        ) from e
+    return path
+
+
+def refuse_taken_port(host: str, port: int) -> None:
+    """One line where something already listens on ``host:port`` (a capture server started
+    before: its health check would pass for this one)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ConfigError(
+                f"serve_target.port={port}: {host}:{port} is taken ({e.strerror or e}), by a "
+                "capture server started before or another program; give another port, or stop "
+                "what listens there."
+            ) from e
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="no_run_dir")

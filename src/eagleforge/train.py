@@ -38,7 +38,12 @@ from eagleforge.config import (
     register_configs,
     to_typed,
 )
-from eagleforge.errors import EagleForgeError, InterruptedAtTheEnd, ResumeRefused
+from eagleforge.errors import (
+    EagleForgeError,
+    InterruptedAtTheEnd,
+    ResumeRefused,
+    stopped_in_one_line,
+)
 from eagleforge.families import Family, family_for
 from eagleforge.locking import RUN_DIR_LOCK, exclusive, restore_run_records
 from eagleforge.parallel.dist import World, distributed
@@ -83,7 +88,15 @@ def run(cfg: DictConfig) -> TrainResult:
 
 
 def _run(cfg: DictConfig, config: EagleForgeConfig, world: World) -> TrainResult:
-    parts = build(cfg, config, world)
+    # a stop while the run is set up (engines starting: minutes) ends it in one line, its
+    # engines stopped and their directories removed; the trainer takes stops from its first step
+    with stopped_in_one_line(
+        lambda how: (
+            f"{how} while the run was being set up, before its first step: run the "
+            "same command again to go on"
+        )
+    ):
+        parts = build(cfg, config, world)
     trainer = Trainer(config.trainer, parts)
     tracker, output_dir = parts.tracker, parts.output_dir
     first_step = trainer.step

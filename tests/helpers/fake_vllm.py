@@ -2,7 +2,7 @@
 vLLM's command line, and by $FAKE_VLLM_MODE either fails at start ("exit"), or serves /health
 with a child process of its own ("serve"), the way vLLM's engine-core process hangs below it.
 With $FAKE_VLLM_HANG (a path) its first request makes that file and is never answered, as a
-hung engine's.
+hung engine's; with $FAKE_VLLM_START_S it takes that long to start serving.
 
 Started as a capture engine (``--kv-transfer-config`` and ``--speculative-config`` of
 target=vllm), it captures as eagleforge's connector does: each completion writes the prompt's
@@ -51,6 +51,7 @@ def main() -> None:
     pids = os.environ.get("FAKE_VLLM_PIDS")
     if pids:
         Path(pids).write_text(f"{os.getpid()} {child.pid}\n")
+    time.sleep(float(os.environ.get("FAKE_VLLM_START_S", "0")))  # a slow start
 
     capture = Capture(args) if "--kv-transfer-config" in args else None
 

@@ -170,6 +170,29 @@ def test_servers_that_do_not_fit_the_run_are_refused_in_one_line(
             streamed(tmp_path, f"refused{len(said)}", engine, f"target.producers.urls=[{url}]")
 
 
+def test_more_engines_than_the_machine_fits_are_refused_before_any_starts(
+    tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One engine per core, and what each holds within the memory available: past either,
+    one line before anything starts or is written (no capture directory left in $TMPDIR)."""
+    import os
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=rf"^target.producers.engines=100: this machine fits "
+                                          rf"\d+ vLLM engine\(s\), one per core \({cores}\)"):  # fmt: skip
+        streamed(tmp_path, "hundred", engine, "target.producers.engines=100")
+    assert list((tmp_path / "tmp").iterdir()) == []
+    # memory: each engine's KV cache alone past what is available
+    from eagleforge.engine.config import VLLMConfig
+    from eagleforge.engine.server import refuse_cpu_engines_past_machine
+
+    with pytest.raises(ConfigError, match=r"^target.producers.engines=2: this machine fits 1 "):
+        refuse_cpu_engines_past_machine(2, VLLMConfig(kv_cache_space_gib=1e5), tmp_path,
+                                        "target.producers.engines")  # fmt: skip
+
+
 def test_producer_settings_that_do_not_apply_are_refused() -> None:
     base = ["+model=tiny", "output_dir=/tmp/unused"]
     with pytest.raises(ConfigError, match=r"^target.producers.engines applies to target=vllm"):
@@ -177,6 +200,9 @@ def test_producer_settings_that_do_not_apply_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"^target.producers.engines=2 with target.producers"):
         to_typed(compose_config([*base, "target=vllm", "target.producers.engines=2",
                                  "target.producers.urls=[http://a:1]"]))  # fmt: skip
+    for url in ("http://127.0.0.1:80O0", "http://127.0.0.1:70000", "http://:8000", "10.0.0.2:80"):
+        with pytest.raises(ConfigError, match=rf"^target.producers.urls\[0\]='{url}': give a"):
+            to_typed(compose_config([*base, "target=vllm", f"target.producers.urls=[{url}]"]))
     with pytest.raises(ConfigError, match=r"^vllm.url=http://a:1: target=vllm needs capture"):
         from eagleforge.targets.vllm import VLLMTarget
 
@@ -196,3 +222,72 @@ def test_prepare_refuses_the_training_queue(tmp_path: Path, engine: str) -> None
     with pytest.raises(ConfigError, match=r"^target.producers.queue_batches=2 sizes training"):
         prepare(config)
     assert not (tmp_path / "f").exists()
+
+
+def test_a_stop_while_engines_start_ends_in_one_line_and_leaves_nothing(
+    tmp_path: Path, engine: str
+) -> None:
+    """SIGTERM while the engines start (minutes for a real vLLM): exit 143, one line, the
+    engines stopped and their capture directories removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids, tmp = tmp_path / "pids", tmp_path / "tmp"
+    tmp.mkdir()
+    env = os.environ | {"FAKE_VLLM_PIDS": str(pids), "FAKE_VLLM_START_S": "120",
+                        "TMPDIR": str(tmp)}  # fmt: skip
+    command = [sys.executable, "-m", "eagleforge.train",
+               *tiny_run_overrides(tmp_path, *RUN, "target=vllm", engine,
+                                   "target.producers.engines=2")]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not pids.is_file() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    assert pids.is_file(), process.communicate()
+    engine_pid = int(pids.read_text().split()[0])
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err
+    assert err.strip().splitlines()[-1] == (
+        "stopped by SIGTERM while the run was being set up, before its first step: run the same "
+        "command again to go on"
+    ), err
+    assert "Traceback" not in err, err
+    assert list(tmp.glob("eagleforge-capture-*")) == []
+    time.sleep(1)
+    assert not Path(f"/proc/{engine_pid}").exists() or "zombie" in Path(
+        f"/proc/{engine_pid}/status"
+    ).read_text().lower()
+
+
+def test_serve_target_refuses_a_taken_port_and_a_directory_it_cannot_write(
+    tmp_path: Path, engine: str
+) -> None:
+    """Before any engine starts: a port something listens on (a capture server started before
+    would answer the new one's health check) and a files_dir that is a file or on /proc."""
+    import socket
+
+    from eagleforge.engine.server import free_port
+    from eagleforge.serve_target import serve
+
+    def config(*extra: str):  # type: ignore[no-untyped-def]
+        return to_typed(compose_config(["+model=tiny", engine, f"output_dir={tmp_path / 'o'}",
+                                        f"serve_target.files_dir={tmp_path / 'shared'}",
+                                        *extra]))  # fmt: skip
+
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(ConfigError, match=rf"^serve_target.port={port}: 127.0.0.1:{port} "
+                                              "is taken"):  # fmt: skip
+            serve(config(f"serve_target.port={port}"))
+    (tmp_path / "a-file").write_text("")
+    for where, why in [(tmp_path / "a-file", "File exists"), (Path("/proc/eagleforge"), "")]:
+        with pytest.raises(ConfigError, match=rf"^serve_target.files_dir={where}: the server "
+                                              rf"cannot write there \({why}"):  # fmt: skip
+            serve(config(f"serve_target.files_dir={where}"))

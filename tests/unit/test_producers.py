@@ -118,6 +118,41 @@ def test_a_jobs_own_error_fails_that_job_alone() -> None:
     pool.close()
 
 
+class Gated(Fake):
+    """A producer whose captures wait for ``gate``: requests in flight."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def capture(self, ids: list[int]) -> torch.Tensor:
+        self.started.set()
+        self.gate.wait(timeout=10)
+        if ids == [-1]:
+            raise ConfigError("the engine refused this prompt")
+        return states_of(ids)
+
+
+@pytest.mark.parametrize("ids", [[1, 2], [-1]])
+def test_a_capture_cancelled_in_flight_ends_quietly(
+    ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that stops cancels the captures it no longer waits for, some already in a
+    producer's hands: their results and errors go nowhere, with no error in the workers."""
+    raised: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    producer = Gated("a")
+    pool = ProducerPool([producer], requests_per_producer=1, recover_timeout_s=5)
+    future = pool.submit(ids)
+    assert producer.started.wait(timeout=10)
+    assert future.cancel()
+    producer.gate.set()
+    after = pool.submit([3])  # the worker goes on
+    assert torch.equal(after.result(timeout=10), states_of([3]))
+    pool.close()
+    assert raised == []
+
+
 def test_results_are_converted_by_the_workers() -> None:
     pool = ProducerPool(
         [Fake("a")], requests_per_producer=1, recover_timeout_s=5, convert=lambda s: s.sum()

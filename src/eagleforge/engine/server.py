@@ -129,6 +129,46 @@ def _on_cpu() -> bool:
     return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+# One vLLM CPU engine's memory beyond its weights and KV cache (the interpreter, torch, vLLM and
+# its worker): SmolLM2's engine, 1 GiB of KV cache, fp32, peaked at ~2.9 GiB (docs/streaming.md).
+ENGINE_OWN_GIB = 1.5
+
+
+def refuse_cpu_engines_past_machine(count: int, cfg: VLLMConfig, model: Path, setting: str) -> None:
+    """Refuses ``count`` vLLM engines on this CPU machine, in one line naming ``setting``,
+    past its cores (each engine binds a compute thread of its own) or past its available
+    memory (each holds the weights, vllm.kv_cache_space_gib and ~ENGINE_OWN_GIB of its own).
+    On CUDA the engines' own checks answer."""
+    if count <= 1 or not _on_cpu():
+        return
+    cores = len(os.sched_getaffinity(0))
+    weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**30
+    each = weights + cfg.kv_cache_space_gib + ENGINE_OWN_GIB
+    available = _available_gib()
+    by_memory = int(available // each) if available < float("inf") else count
+    fit = max(1, min(cores, by_memory))
+    if count > fit:
+        raise ConfigError(
+            f"{setting}={count}: this machine fits {fit} vLLM engine(s), one per core "
+            f"({cores}) and ~{each:.1f} GiB each in its {available:.1f} GiB available (weights "
+            f"{weights:.1f}, vllm.kv_cache_space_gib={cfg.kv_cache_space_gib:g}, the engine's "
+            f"own ~{ENGINE_OWN_GIB:g}); ask for at most {fit}, or start capture servers on "
+            "other machines (python -m eagleforge.serve_target) and list them in "
+            "target.producers.urls."
+        )
+
+
+def _available_gib() -> float:
+    """MemAvailable of /proc/meminfo, in GiB (no limit known elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """Linux: the server gets SIGTERM when eagleforge dies, even by SIGKILL."""
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
+from urllib.parse import urlsplit
 
 from eagleforge.errors import ConfigError
 
@@ -90,6 +91,16 @@ class SGLangConfig:
             )
 
 
+def base_url(url: str) -> bool:
+    """Whether ``url`` is an http(s) URL with a host and a valid port, if any."""
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0  # .port raises on letters, > 65535
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port_ok
+
+
 @dataclass
 class ProducersConfig:
     """The `target.producers` section: the vLLM engines that produce the target's hidden states
@@ -123,10 +134,10 @@ class ProducersConfig:
                 f"target.producers.recover_timeout_s must be > 0, got {self.recover_timeout_s}."
             )
         for index, url in enumerate(self.urls):
-            if not str(url).startswith(("http://", "https://")):
+            if not base_url(str(url)):
                 raise ConfigError(
                     f"target.producers.urls[{index}]={url!r}: give a capture server's base URL, "
-                    "e.g. http://10.0.0.2:8000."
+                    "http(s)://host:port, e.g. http://10.0.0.2:8000."
                 )
         if len(set(self.urls)) != len(self.urls):
             raise ConfigError(f"target.producers.urls names a server twice: {list(self.urls)}.")

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -150,7 +150,7 @@ class ProducerPool:
             except ProducerDown as e:
                 with self._ready:
                     if self._closed:  # its producer was stopped by close(): nobody takes it on
-                        job.future.set_exception(EngineError(f"{producer.name} was stopped"))
+                        _settle(job.future, error=EngineError(f"{producer.name} was stopped"))
                         return
                     self._jobs.appendleft(job)
                     record.handed_on += 1
@@ -161,12 +161,12 @@ class ProducerPool:
                     self._recover(index, e)
                 continue
             except BaseException as e:  # the job's own error: the run stops on it
-                job.future.set_exception(e)
+                _settle(job.future, error=e)
                 continue
             with self._ready:
                 record.samples += 1
                 record.tokens += len(job.ids)
-            job.future.set_result(result)
+            _settle(job.future, result=result)
 
     def _recover(self, index: int, error: ProducerDown) -> None:
         producer, record = self.producers[index], self._records[index]
@@ -191,7 +191,7 @@ class ProducerPool:
                 self._ready.notify_all()
             log.error("%s given up: %s", producer.name, e)
             for job in left:
-                job.future.set_exception(self._given_up_error())
+                _settle(job.future, error=self._given_up_error())
             return
         with self._ready:
             record.recoveries += 1
@@ -209,3 +209,15 @@ class ProducerPool:
             f"target.producers.recover_timeout_s={self.recover_timeout_s:g} s ({why}); the "
             "checkpoints written so far are kept: run the same command again to resume."
         )
+
+
+def _settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Gives ``future`` its result or error, unless whoever waited on it cancelled it meanwhile
+    (a run that stops cancels what it no longer waits for, captures in flight included)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled while its capture ran
+        pass

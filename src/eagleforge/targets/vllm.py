@@ -41,7 +41,7 @@ from eagleforge.engine.client import (
     VLLMClient,
 )
 from eagleforge.engine.config import VLLMConfig
-from eagleforge.engine.server import EngineError, VLLMServer
+from eagleforge.engine.server import EngineError, VLLMServer, refuse_cpu_engines_past_machine
 from eagleforge.errors import ConfigError
 from eagleforge.files import resolve_cache_dir
 from eagleforge.fingerprint import weights_fingerprint
@@ -292,7 +292,9 @@ class VLLMTarget(HeadOnlyTarget):
         self, count: int, engine: VLLMConfig, model_dir: Path, dtype: torch.dtype, log_path: Path
     ) -> list[StartedEngine]:
         """``count`` engines, started at once (each logs beside ``log_path``: vllm.log,
-        vllm-1.log, ...), each writing into a directory of its own."""
+        vllm-1.log, ...), each writing into a directory of its own; no more than this
+        machine fits."""
+        refuse_cpu_engines_past_machine(count, engine, model_dir, "target.producers.engines")
         self._files = [Path(tempfile.mkdtemp(prefix="eagleforge-capture-")) for _ in range(count)]
 
         def make(index: int) -> VLLMServer:
