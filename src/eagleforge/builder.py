@@ -31,6 +31,7 @@ from eagleforge.checkpoint import (
     newest_checkpoint,
     read_progress,
     read_run_record,
+    refuse_writing_over_newer,
     resume_changes,
     run_record,
 )
@@ -214,6 +215,7 @@ def resume_from(resume: str, output_dir: Path) -> Path | None:
     """The checkpoint that trainer.resume asks for (auto: the run's newest intact one, if any),
     its checksums verified."""
     if resume == "never":
+        refuse_writing_over_newer(output_dir)
         return None
     if resume == "auto":
         return newest_checkpoint(output_dir)
@@ -235,7 +237,8 @@ def saved_config(checkpoint: Path) -> dict[str, Any]:
     except (OSError, yaml.YAMLError) as e:
         raise CheckpointRefused(
             f"{checkpoint / 'config.yaml'}: unreadable ({type(e).__name__}); delete the "
-            "checkpoint to resume from the one before, or set trainer.resume=never."
+            "checkpoint to resume from the one before, or start a new run in another directory "
+            "(another hydra.run.dir)."
         ) from None
     return flatten(saved) if isinstance(saved, dict) else {}
 

@@ -169,7 +169,7 @@ def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointRefused(
             f"{path}: unreadable ({type(e).__name__}: {e}); delete the checkpoint to resume "
-            "from the one before, or set trainer.resume=never."
+            "from the one before, or start a new run in another directory (another hydra.run.dir)."
         ) from None
     version = record.get("version") if isinstance(record, dict) else None
     if (
@@ -179,13 +179,14 @@ def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
     ):
         raise CheckpointRefused(
             f"{path}: not an {CHECKPOINT_FORMAT} record; delete the checkpoint to resume from "
-            "the one before, or set trainer.resume=never."
+            "the one before, or start a new run in another directory (another hydra.run.dir)."
         )
     if version > CHECKPOINT_VERSION:
         raise CheckpointRefused(
             f"{checkpoint}: written by a newer eagleforge (checkpoint format v{version}; this "
-            f"one reads up to v{CHECKPOINT_VERSION}); resume it with that version, or set "
-            "trainer.resume=never."
+            f"one reads up to v{CHECKPOINT_VERSION}); resume it with that version, or start a "
+            "new run in another directory (another hydra.run.dir): a new run in this one would "
+            "write over it."
         )
     return record
 
@@ -374,6 +375,26 @@ def explicit_checkpoint(resume: str) -> Path:
 STEP_DIR = re.compile(r"step_\d+")
 
 
+def refuse_writing_over_newer(output_dir: str | Path) -> None:
+    """CheckpointRefused where a run directory that a new run (trainer.resume=never) would
+    write its checkpoints into holds one written by a newer eagleforge: this version cannot
+    resume it, and must not replace or rotate it away."""
+    root = Path(output_dir) / "checkpoints"
+    for path in sorted(root.glob("step_*")):
+        if path.is_dir() and STEP_DIR.fullmatch(path.name) and (path / RUN_RECORD).is_file():
+            try:
+                record = json.loads((path / RUN_RECORD).read_text())
+                version = record.get("version") if isinstance(record, dict) else None
+            except (OSError, ValueError):
+                continue  # damaged: not a newer one
+            if isinstance(version, int) and version > CHECKPOINT_VERSION:
+                raise CheckpointRefused(
+                    f"trainer.resume=never: {path} was written by a newer eagleforge "
+                    f"(checkpoint format v{version}) and a new run here would write over it; "
+                    "start the new run in another directory (another hydra.run.dir)."
+                )
+
+
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete and intact ``checkpoints/step_*`` of a run. The hidden temporary
     directories of an interrupted save are not checkpoints, and are ignored; a damaged one
@@ -438,7 +459,8 @@ def _read_state(path: Path, error: type[CheckpointError] = CheckpointError) -> d
     except Exception as e:  # torch raises many types on bad files
         raise error(
             f"{path}: unreadable checkpoint ({TRAINING_STATE}: {unreadable_reason(e)}); delete "
-            "it to resume from the one before, or set trainer.resume=never."
+            "it to resume from the one before, or start a new run in another directory (another "
+            "hydra.run.dir)."
         ) from None
 
 
@@ -478,7 +500,7 @@ def load_checkpoint(
     except Exception as e:  # safetensors raises many types on bad files
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({unreadable_reason(e)}); delete it to resume from "
-            "the one before, or set trainer.resume=never."
+            "the one before, or start a new run in another directory (another hydra.run.dir)."
         ) from None
     check_draft_weights(module.draft, tensors, path)
     load_draft_state(module, tensors)

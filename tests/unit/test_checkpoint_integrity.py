@@ -191,8 +191,15 @@ def test_checkpoints_carry_a_format_version_and_a_newer_one_is_refused(tmp_path:
     with pytest.raises(CheckpointError, match=r"step_00000004: written by a newer eagleforge") as e:
         newest_checkpoint(tmp_path)
     assert isinstance(e.value, ResumeRefused)
-    with pytest.raises(ResumeRefused, match=r"checkpoint format v2; this one reads up to v1"):
+    with pytest.raises(ResumeRefused, match=r"checkpoint format v2; this one reads up to v1"
+                       r"\); resume it with that version, or start a new run in another "
+                       r"directory"):  # fmt: skip
         resume_from(str(second), tmp_path)
+    # the advice does not destroy what it refused: a new run here would write over it
+    with pytest.raises(ResumeRefused, match=r"^trainer.resume=never: .*step_00000004 was written "
+                       r"by a newer eagleforge \(checkpoint format v2\) and a new run here"):  # fmt: skip
+        resume_from("never", tmp_path)
+    assert json.loads((second / RUN_RECORD).read_text())["version"] == CHECKPOINT_VERSION + 1
 
 
 def test_a_checkpoint_of_another_target_or_other_data_is_refused(tmp_path: Path) -> None:
