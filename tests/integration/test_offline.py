@@ -227,6 +227,19 @@ def test_an_fp8_store_of_a_bf16_capture_reads_back_in_bf16_and_trains(tmp_path: 
     assert result.step == 3 and all(torch.isfinite(torch.tensor(result.train_losses)))
 
 
+def test_a_store_of_another_dtype_than_the_runs_is_refused_in_one_line(
+    tmp_path: Path, store: Path
+) -> None:
+    """The teacher's lm_head takes the stored states in the dtype they were captured in: a run
+    computing the target in another is refused before it loads anything heavy, naming both."""
+    from eagleforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^data.features={store} holds float32 states "
+                       r"\(captured with model.dtype=float32\) and this run's "
+                       r"model.dtype=bfloat16 computes in bfloat16: set model.dtype=float32"):  # fmt: skip
+        _train(tmp_path, "bf16-run", f"data.features={store}", "model.dtype=bfloat16")
+
+
 def test_ranks_capture_disjoint_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun (RANK/WORLD_SIZE) each rank writes every WORLD_SIZE-th shard; together
     they complete the store."""
