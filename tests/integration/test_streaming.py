@@ -259,9 +259,10 @@ def test_a_stop_while_engines_start_ends_in_one_line_and_leaves_nothing(
     assert "Traceback" not in err, err
     assert list(tmp.glob("eagleforge-capture-*")) == []
     time.sleep(1)
-    assert not Path(f"/proc/{engine_pid}").exists() or "zombie" in Path(
-        f"/proc/{engine_pid}/status"
-    ).read_text().lower()
+    assert (
+        not Path(f"/proc/{engine_pid}").exists()
+        or "zombie" in Path(f"/proc/{engine_pid}/status").read_text().lower()
+    )
 
 
 def test_serve_target_refuses_a_taken_port_and_a_directory_it_cannot_write(
