@@ -7,10 +7,14 @@ config is turned into these dataclasses (``to_typed``), before anything is built
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
+import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -280,7 +284,7 @@ def check_cli_overrides(args: list[str] | None = None) -> None:
             print(f"error: {refusal}", file=sys.stderr)
             sys.exit(2)
         try:
-            parser.parse_overrides([arg])
+            (override,) = parser.parse_overrides([arg])
         except OverrideParseException:
             key, value = arg.split("=", 1)
             quoted = value.replace("\\", "\\\\").replace('"', '\\"')
@@ -291,3 +295,33 @@ def check_cli_overrides(args: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
             sys.exit(2)
+        refusal = enum_refusal(override.key_or_group, override)
+        if refusal:
+            print(f"error: {refusal}", file=sys.stderr)
+            sys.exit(2)
+
+
+def enum_refusal(key: str, override: Any) -> str | None:
+    """The one line refusing a value that the setting ``key`` (one of the choices of an Enum,
+    e.g. prepare.compress) does not take -- Hydra would print six lines of its merge -- or
+    None: another kind of setting, or a value (each value of a sweep) it takes."""
+    kind: Any = EagleForgeConfig
+    for name in key.lstrip("+~").split("."):
+        hints = typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
+        kind = hints.get(name)
+        if kind is None:
+            return None
+        args = [a for a in typing.get_args(kind) if a is not type(None)]  # X | None
+        kind = args[0] if len(args) == 1 else kind
+    if not (isinstance(kind, type) and issubclass(kind, Enum)) or override.is_delete():
+        return None
+    taken = [str(member.value) for member in kind]
+    values = (
+        list(override.sweep_string_iterator())
+        if override.is_sweep_override()
+        else [override.get_value_element_as_str()]
+    )
+    wrong = [v for v in values if v not in taken and v not in kind.__members__]
+    if not wrong:
+        return None
+    return f"{key.lstrip('+~')}={wrong[0]}: expected one of {', '.join(taken)}."

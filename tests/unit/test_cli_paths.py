@@ -40,6 +40,29 @@ def test_readable_overrides_and_flags_pass() -> None:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("prepare.compress=fp9", "prepare.compress=fp9: expected one of none, fp8."),
+        ("trainer.compute_dtype=auto,bf16", "trainer.compute_dtype=bf16: expected one of auto, "
+                                            "float32, bfloat16."),
+        ("+model.dtype=half", "model.dtype=half: expected one of auto, float32, bfloat16, "
+                              "float16."),
+    ],
+)  # fmt: skip
+def test_a_value_a_setting_does_not_take_is_one_line_naming_its_choices(
+    capsys: pytest.CaptureFixture[str], override: str, said: str
+) -> None:
+    """Hydra prints six lines of its merge for these, exit 1; the setting and its choices
+    instead, exit 2, as for every other bad value (each of a sweep's values too)."""
+    with pytest.raises(SystemExit) as stopped:
+        check_cli_overrides(["+model=tiny", "-m", override])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"error: {said}\n"
+    check_cli_overrides(["prepare.compress=fp8", "trainer.compute_dtype=auto,bfloat16",
+                         "draft.attention=sdpa", "model.dtype=float16"])  # fmt: skip
+
+
 def test_printed_commands_paste_back_whole(tmp_path: Path) -> None:
     spool = tmp_path / "dir with spaces" / "ünï"
     assert shlex.split(sync_hint(spool))[-1] == str(spool)
