@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ def main() -> None:
     pids = os.environ.get("FAKE_VLLM_PIDS")
     if pids:
         Path(pids).write_text(f"{os.getpid()} {child.pid}\n")
+    # what vLLM leaves in $TMPDIR: its IPC sockets
+    Path(tempfile.gettempdir(), f"ipc-{os.getpid()}.sock").touch()
     time.sleep(float(os.environ.get("FAKE_VLLM_START_S", "0")))  # a slow start
 
     capture = Capture(args) if "--kv-transfer-config" in args else None

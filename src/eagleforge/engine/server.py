@@ -14,10 +14,12 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -205,6 +207,7 @@ class EngineProcess(ABC):
         self.url = f"http://127.0.0.1:{self.port}"
         self.command: list[str] = []
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tmp_dir: Path | None = None
 
     def start(self: _Process) -> _Process:
         """Start the server and wait until it answers (``launch``, then ``wait_ready``)."""
@@ -220,6 +223,10 @@ class EngineProcess(ABC):
         for key, value in self.env_defaults.items():
             env.setdefault(key, value)
         env["PYTHONUNBUFFERED"] = "1"
+        # its own temporary directory (vLLM's IPC sockets and vllm_dist_* files), removed
+        # when it stops
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="eagleforge-engine-"))
+        env["TMPDIR"] = str(self.tmp_dir)
         with self.log_path.open("ab") as out:
             self.log_start = out.tell()
             out.write(f"$ {' '.join(self.command)}\n".encode())
@@ -320,6 +327,8 @@ class EngineProcess(ABC):
                 break
             except subprocess.TimeoutExpired:
                 continue
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
         log.info("%s stopped", self.name)
 
     def __enter__(self: _Process) -> _Process:
