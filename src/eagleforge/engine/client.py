@@ -46,7 +46,12 @@ def http_error_summary(error: urllib.error.HTTPError, url: str) -> str:
 
 
 class EngineRequestError(EagleForgeError):
-    """A request to the engine failed; the message names the URL (and the engine's log)."""
+    """A request to the engine failed; the message names the URL (and the engine's log), and
+    ``status`` the HTTP status of its answer, where it answered."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineUnreachable(EngineRequestError):
@@ -151,7 +156,8 @@ class EngineClient(ABC):
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return bytes(response.read())
         except urllib.error.HTTPError as e:
-            raise EngineRequestError(http_error_summary(e, f"{self._where()}/{path}")) from None
+            summary = http_error_summary(e, f"{self._where()}/{path}")
+            raise EngineRequestError(summary, status=e.code) from None
         # HTTPException: the answer broke off (IncompleteRead: the server died while answering)
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError,
                 http.client.HTTPException) as e:  # fmt: skip

@@ -174,6 +174,10 @@ class StartedEngine:
         self.server.stop()
 
 
+# HTTP statuses of a server that has no completions endpoint at all (not a vLLM server)
+NOT_SERVED = (404, 405, 501)
+
+
 class ServerAtURL:
     """A capture server already running (``target.producers.urls``); waited for when it stops."""
 
@@ -209,7 +213,16 @@ class ServerAtURL:
                 )
 
     def capture(self, ids: list[int]) -> torch.Tensor:
-        path = request_capture(self.client, ids, self.model, lambda: True)
+        try:
+            path = request_capture(self.client, ids, self.model, lambda: True)
+        except EngineRequestError as e:
+            if e.status not in NOT_SERVED:
+                raise
+            raise ConfigError(
+                f"{self.setting}={self.name} answers /health but not completions (HTTP "
+                f"{e.status}): it is not a capture server; start one there (python -m "
+                "eagleforge.serve_target) or remove it from target.producers.urls."
+            ) from None
         if not path:
             raise ConfigError(
                 f"{self.setting}={self.name} returned no hidden_states_path: it is not a capture "
