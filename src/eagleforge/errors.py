@@ -32,6 +32,11 @@ class CheckpointError(EagleForgeError, ValueError):
     """A checkpoint is unreadable or does not fit the run; the message names its directory."""
 
 
+class InputsStopped(EagleForgeError):
+    """What feeds the run stopped for good in the middle of it (every producer of the target's
+    states given up): the trainer saves the steps it trained before it stops on this."""
+
+
 class ResumeRefused(EagleForgeError, ValueError):
     """A resume refused before anything of the run is touched: the entry point leaves the run
     directory's ``.hydra/`` and its MLflow run as they were. Raised as one of the two kinds

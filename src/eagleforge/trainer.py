@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from eagleforge.checkpoint import TRAINING_STATE, load_checkpoint, read_history, save_checkpoint
 from eagleforge.draft.family import AnyBatch, AnyDraft, TrainingModule
 from eagleforge.draft.ttt import PositionStats, simulated_acceptance_length
-from eagleforge.errors import ConfigError
+from eagleforge.errors import ConfigError, InputsStopped
 from eagleforge.parallel.dist import World
 from eagleforge.parallel.fsdp import full_draft_state, set_gradient_sync
 from eagleforge.precision import Precision, choose
@@ -326,6 +326,7 @@ class Trainer:
         self.max_num_steps, self.device = parts.max_num_steps, parts.world.device
         self.eval_loader = parts.batches.eval_loader()
         self.step, self.epoch = 0, 0
+        self.saved_step = 0  # the step of the newest checkpoint (0: none)
         self.resumed_from: Path | None = None
         self.result = TrainResult(step=0)  # what train() returns; a resumed run's goes on
         # global batches of the epoch used before its loader started (resumed runs), and this
@@ -377,6 +378,7 @@ class Trainer:
             checkpoint, self.module, self.optimizer, self.scheduler, self.world
         )
         self.step, self.epoch = progress["step"], progress["epoch"]
+        self.saved_step = self.step
         self.resumed_from = checkpoint
         # the evaluations before the stop: the summary and the learning curve go on from them
         history = read_history(checkpoint)
@@ -461,11 +463,22 @@ class Trainer:
             },
             record=self.parts.run_record,
         )
+        if name is None:
+            self.saved_step = self.step
         if name is None and self.cfg.keep_last_n is not None and self.world.is_main:
             steps = sorted(path.parent.glob("step_*"))
             for old in steps[: -self.cfg.keep_last_n]:
                 shutil.rmtree(old, ignore_errors=True)  # a leftover is harmless, a crash is not
         return saved
+
+    def _saved_before(self, stopped: InputsStopped) -> InputsStopped:
+        """``stopped``, once the steps trained since the newest checkpoint are saved (in a
+        one-process run: ranks would have to save together, and theirs may not stop alike)."""
+        if self.world.size > 1 or self.step == self.saved_step:
+            return stopped
+        path = self.save()
+        log.info("step %d saved before stopping: %s", self.step, path)
+        return type(stopped)(f"{stopped} (step {self.step} was saved first: {path})")
 
     def whole_draft(self) -> AnyDraft | None:
         """The draft with whole parameters on rank 0 (None elsewhere): the module's own draft
@@ -559,9 +572,12 @@ class Trainer:
             shown=cfg.progress_bar and self.world.is_main, lines=False,
         )  # fmt: skip
         while self.step < self.max_num_steps:
-            sums, grad_norm, lr = self.train_step(
-                [next(batches) for _ in range(cfg.grad_accum_steps)]
-            )
+            try:
+                micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+            except InputsStopped as stopped:
+                bar.close()
+                raise self._saved_before(stopped) from None
+            sums, grad_norm, lr = self.train_step(micro)
             self.step += 1
             if self.profiler is not None:
                 self.profiler.step()

@@ -10,7 +10,8 @@ target=vllm), it captures as eagleforge's connector does: each completion writes
 of a prompt is the same -- for the configured layers of the ``--model`` directory's shape into
 the connector's directory, and answers with its path. With $FAKE_VLLM_DIE_ONCE (a path) it dies
 (SIGKILL, children and all) at its $FAKE_VLLM_DIE_AFTER-th completion unless that file exists,
-which it makes first: an engine that dies once in a run.
+which it makes first: an engine that dies once in a run; with $FAKE_VLLM_EXIT_IF (a path) it fails
+to start where that file exists (an engine that cannot be started again).
 
     FAKE_VLLM_MODE=serve python fake_vllm.py -m vllm.entrypoints.openai.api_server --port P ...
 
@@ -44,7 +45,8 @@ def fake_python(directory: Path) -> Path:
 def main() -> None:
     args = sys.argv[1:]
     port = int(args[args.index("--port") + 1])
-    if os.environ.get("FAKE_VLLM_MODE") == "exit":
+    exit_if = os.environ.get("FAKE_VLLM_EXIT_IF")  # a path: fails to start once it exists
+    if os.environ.get("FAKE_VLLM_MODE") == "exit" or (exit_if and Path(exit_if).exists()):
         print("INFO starting", flush=True)
         print("ValueError: the model is not one vLLM knows", flush=True)
         sys.exit(3)

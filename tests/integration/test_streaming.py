@@ -324,3 +324,24 @@ def test_a_server_at_a_url_that_does_not_capture_is_named_with_the_fix() -> None
             producer.capture([0, 1])
     finally:
         server.shutdown()
+
+
+def test_producers_given_up_mid_run_save_the_steps_trained_first(
+    tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its only engine dies and cannot be started again: the run stops in one line, and the
+    steps it trained since its last checkpoint are saved before it does."""
+    from eagleforge.engine.server import EngineError
+
+    monkeypatch.setenv("FAKE_VLLM_DIE_ONCE", str(tmp_path / "died"))
+    monkeypatch.setenv("FAKE_VLLM_DIE_AFTER", "16")
+    monkeypatch.setenv("FAKE_VLLM_EXIT_IF", str(tmp_path / "died"))  # and does not start again
+    with pytest.raises(EngineError, match=r"^every producer of the target's states stopped .*"
+                       r"run the same command again to resume. \(step (\d+) was saved first: "
+                       r".*step_0+\1\)$") as stopped:  # fmt: skip
+        streamed(tmp_path, "gone", engine, "target.producers.recover_timeout_s=60",
+                 "trainer.save_every_n_steps=0", "trainer.max_num_steps=40",
+                 "target.producers.queue_batches=1")  # fmt: skip
+    step = int(str(stopped.value).rsplit("step_", 1)[1].rstrip(")"))
+    assert 0 < step < 40
+    assert (tmp_path / "gone" / "run" / "checkpoints" / f"step_{step:08d}" / "run.json").is_file()

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from eagleforge.engine.server import EngineError
-from eagleforge.errors import EagleForgeError
+from eagleforge.errors import EagleForgeError, InputsStopped
 
 log = logging.getLogger(__name__)
 
@@ -204,11 +204,15 @@ class ProducerPool:
 
     def _given_up_error(self) -> EngineError:
         why = "; ".join(f"{r.name}: {r.given_up}" for r in self._records)
-        return EngineError(
+        return ProducersGivenUp(
             f"every producer of the target's states stopped and did not come back within "
             f"target.producers.recover_timeout_s={self.recover_timeout_s:g} s ({why}); the "
             "checkpoints written so far are kept: run the same command again to resume."
         )
+
+
+class ProducersGivenUp(EngineError, InputsStopped):
+    """Every producer stopped and did not come back in time: the run saves and stops."""
 
 
 def _settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
