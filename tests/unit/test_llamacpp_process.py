@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from eagleforge.config import compose_config, to_typed
 from eagleforge.engine.client import parse_spec_counters
@@ -33,6 +34,14 @@ def test_the_command_binds_loopback_serves_slots_and_carries_the_draft() -> None
     assert alone[alone.index("--parallel") + 1] == "4" and alone[alone.index("-c") + 1] == "4096"
     assert "--metrics" in alone and alone[alone.index("-t") + 1] == "2"
     assert "-md" not in alone and alone[-1] == "--no-warmup"
+    # unset: the command's own threads, not llama.cpp's default of every core
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        own = server_command(LlamaCppConfig(), Path("/bin/ls"), Path("/t.gguf"), 1234)
+    finally:
+        torch.set_num_threads(before)
+    assert own[own.index("-t") + 1] == "1"
     drafted = server_command(
         cfg, Path("/bin/ls"), Path("/t.gguf"), 1234, Path("/d.gguf"), "draft-eagle3", 3
     )

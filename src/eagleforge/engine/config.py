@@ -76,7 +76,8 @@ class LlamaCppConfig:
     server: str | None = None
     # The target's GGUF file (llama-server -m); null = the bundled SmolLM2's for model=smollm2.
     target_gguf: str | None = None
-    # Compute threads (-t); null = llama.cpp's default (the CPU's cores).
+    # Compute threads (-t); null = this command's own (parallel.num_threads, OMP_NUM_THREADS,
+    # else the cores).
     threads: int | None = None
     # Requests served at once (--parallel); each gets max_model_len tokens of context.
     parallel: int = 8

@@ -43,6 +43,16 @@ def llama_server(cfg: LlamaCppConfig) -> Path:
     return found
 
 
+def command_threads() -> int:
+    """The threads this command computes with (parallel.num_threads, else OMP_NUM_THREADS,
+    else the cores): llama-server's default where llamacpp.threads is unset. ggml's threads
+    spin while they wait, so more of them than the cores left free slows it down: SmolLM2's
+    128 tokens beside one busy core took 3.8 s on both cores' threads, 1.6 s on one."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def server_command(
     cfg: LlamaCppConfig,
     server: Path,
@@ -59,8 +69,7 @@ def server_command(
     command = [str(server), "-m", str(target), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--parallel", str(cfg.parallel), "-c", str(cfg.max_model_len * cfg.parallel)]
     command += ["--metrics", "--seed", str(seed), "--alias", SERVED_NAME]
-    if cfg.threads is not None:
-        command += ["-t", str(cfg.threads)]
+    command += ["-t", str(cfg.threads or command_threads())]
     if draft is not None:
         if spec_type is None or num_draft_tokens < 1:
             raise ValueError("a draft needs its spec_type and num_draft_tokens >= 1")
