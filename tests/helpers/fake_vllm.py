@@ -11,7 +11,8 @@ of a prompt is the same -- for the configured layers of the ``--model`` director
 the connector's directory, and answers with its path. With $FAKE_VLLM_DIE_ONCE (a path) it dies
 (SIGKILL, children and all) at its $FAKE_VLLM_DIE_AFTER-th completion unless that file exists,
 which it makes first: an engine that dies once in a run; with $FAKE_VLLM_EXIT_IF (a path) it fails
-to start where that file exists (an engine that cannot be started again).
+to start where that file exists (an engine that cannot be started again), and with
+$FAKE_VLLM_STALL_IF it never gets ready there (one whose start hangs).
 
     FAKE_VLLM_MODE=serve python fake_vllm.py -m vllm.entrypoints.openai.api_server --port P ...
 
@@ -57,6 +58,9 @@ def main() -> None:
     # what vLLM leaves in $TMPDIR: its IPC sockets
     Path(tempfile.gettempdir(), f"ipc-{os.getpid()}.sock").touch()
     time.sleep(float(os.environ.get("FAKE_VLLM_START_S", "0")))  # a slow start
+    stall_if = os.environ.get("FAKE_VLLM_STALL_IF")  # a path: never ready once it exists
+    if stall_if and Path(stall_if).exists():
+        time.sleep(600)
 
     capture = Capture(args) if "--kv-transfer-config" in args else None
 

@@ -345,3 +345,19 @@ def test_producers_given_up_mid_run_save_the_steps_trained_first(
     step = int(str(stopped.value).rsplit("step_", 1)[1].rstrip(")"))
     assert 0 < step < 40
     assert (tmp_path / "gone" / "run" / "checkpoints" / f"step_{step:08d}" / "run.json").is_file()
+
+
+def test_a_restart_that_hangs_is_given_up_within_recover_timeout_s(
+    tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine dies and its new start never gets ready: it is given up when
+    recover_timeout_s is spent, not after vllm.startup_timeout_s (15 minutes)."""
+    from eagleforge.engine.server import EngineError
+
+    monkeypatch.setenv("FAKE_VLLM_DIE_ONCE", str(tmp_path / "died"))
+    monkeypatch.setenv("FAKE_VLLM_DIE_AFTER", "16")
+    monkeypatch.setenv("FAKE_VLLM_STALL_IF", str(tmp_path / "died"))
+    with pytest.raises(EngineError, match=r"did not answer .*/health within the time left of "
+                                          r"target.producers.recover_timeout_s="):  # fmt: skip
+        streamed(tmp_path, "stalled", engine, "target.producers.recover_timeout_s=4",
+                 "trainer.max_num_steps=40", "target.producers.queue_batches=1")  # fmt: skip
