@@ -162,14 +162,14 @@ def offline_inputs(
         config.model.revision,
     )
     train_set, eval_set = open_store(store, expected, config.data.verify_features)
-    captured = train_set.manifest.dtype
-    if captured != str(dtype).removeprefix("torch."):
-        # the target's lm_head (the teacher) takes the stored states in the capture's dtype
+    # the target's lm_head (the teacher) takes the stored states in the capture's dtype
+    captured, computes = train_set.manifest.dtype, str(dtype).removeprefix("torch.")
+    if captured != computes:
         raise ConfigError(
             f"data.features={store} holds {captured} states (captured with model.dtype="
             f"{captured}) and this run's model.dtype={config.model.dtype.value} computes in "
-            f"{str(dtype).removeprefix('torch.')}: set model.dtype={captured} to train from "
-            "it, or capture the store again in this dtype."
+            f"{computes}: set model.dtype={captured} to train from it, or capture the store "
+            "again in this dtype."
         )
     key = hashlib.sha256(
         f"{store.resolve()}|{train_set.manifest.data_key}|{train_set.manifest.weight_hash}".encode()

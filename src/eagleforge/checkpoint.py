@@ -158,6 +158,14 @@ def resume_changes(
     return {key: change for key, change in differ.items() if resumable(key)}
 
 
+class NewerCheckpoint(CheckpointRefused):
+    """A checkpoint written by a newer eagleforge (its run.json's ``version``)."""
+
+    def __init__(self, version: int, message: str) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
     """A checkpoint's ``run.json`` (empty for one written before versioning); CheckpointRefused
     for an unreadable one, and for one written by a newer, incompatible eagleforge."""
@@ -182,11 +190,12 @@ def read_run_record(checkpoint: str | Path) -> dict[str, Any]:
             "the one before, or start a new run in another directory (another hydra.run.dir)."
         )
     if version > CHECKPOINT_VERSION:
-        raise CheckpointRefused(
+        raise NewerCheckpoint(
+            version,
             f"{checkpoint}: written by a newer eagleforge (checkpoint format v{version}; this "
             f"one reads up to v{CHECKPOINT_VERSION}); resume it with that version, or start a "
             "new run in another directory (another hydra.run.dir): a new run in this one would "
-            "write over it."
+            "write over it.",
         )
     return record
 
@@ -375,24 +384,28 @@ def explicit_checkpoint(resume: str) -> Path:
 STEP_DIR = re.compile(r"step_\d+")
 
 
+def step_dirs(output_dir: str | Path) -> list[Path]:
+    """A run's ``checkpoints/step_*`` directories, oldest first (not the hidden temporary ones
+    of an interrupted save)."""
+    root = Path(output_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name))
+
+
 def refuse_writing_over_newer(output_dir: str | Path) -> None:
     """CheckpointRefused where a run directory that a new run (trainer.resume=never) would
     write its checkpoints into holds one written by a newer eagleforge: this version cannot
     resume it, and must not replace or rotate it away."""
-    root = Path(output_dir) / "checkpoints"
-    for path in sorted(root.glob("step_*")):
-        if path.is_dir() and STEP_DIR.fullmatch(path.name) and (path / RUN_RECORD).is_file():
-            try:
-                record = json.loads((path / RUN_RECORD).read_text())
-                version = record.get("version") if isinstance(record, dict) else None
-            except (OSError, ValueError):
-                continue  # damaged: not a newer one
-            if isinstance(version, int) and version > CHECKPOINT_VERSION:
-                raise CheckpointRefused(
-                    f"trainer.resume=never: {path} was written by a newer eagleforge "
-                    f"(checkpoint format v{version}) and a new run here would write over it; "
-                    "start the new run in another directory (another hydra.run.dir)."
-                )
+    for path in step_dirs(output_dir):
+        try:
+            read_run_record(path)
+        except NewerCheckpoint as newer:
+            raise CheckpointRefused(
+                f"trainer.resume=never: {path} was written by a newer eagleforge "
+                f"(checkpoint format v{newer.version}) and a new run here would write over it; "
+                "start the new run in another directory (another hydra.run.dir)."
+            ) from None
+        except CheckpointRefused:
+            continue  # damaged: not a newer one
 
 
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -403,9 +416,8 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     every checkpoint is damaged, rather than starting the run over, and for one written by a
     newer eagleforge, rather than going back before it."""
     root = Path(output_dir) / "checkpoints"
-    found = sorted(p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name))
     damaged = []
-    for path in reversed(found):
+    for path in reversed(step_dirs(output_dir)):
         if (path / TRAINING_STATE).is_file() and not (path / CHECKSUMS).is_file():
             log.info("%s has no %s (older eagleforge): loaded unverified", path, CHECKSUMS)
         problem = checkpoint_problem(path)

@@ -295,18 +295,19 @@ def check_cli_overrides(args: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
             sys.exit(2)
-        refusal = enum_refusal(override.key_or_group, override)
+        refusal = enum_refusal(override)
         if refusal:
             print(f"error: {refusal}", file=sys.stderr)
             sys.exit(2)
 
 
-def enum_refusal(key: str, override: Any) -> str | None:
-    """The one line refusing a value that the setting ``key`` (one of the choices of an Enum,
-    e.g. prepare.compress) does not take -- Hydra would print six lines of its merge -- or
-    None: another kind of setting, or a value (each value of a sweep) it takes."""
+def enum_refusal(override: Any) -> str | None:
+    """The one line refusing a value that the override's setting (one of the choices of an
+    Enum, e.g. prepare.compress) does not take -- Hydra would print six lines of its merge --
+    or None: another kind of setting, or a value (each value of a sweep) it takes."""
+    key = override.key_or_group.lstrip("+~")
     kind: Any = EagleForgeConfig
-    for name in key.lstrip("+~").split("."):
+    for name in key.split("."):
         hints = typing.get_type_hints(kind) if dataclasses.is_dataclass(kind) else {}
         kind = hints.get(name)
         if kind is None:
@@ -324,4 +325,4 @@ def enum_refusal(key: str, override: Any) -> str | None:
     wrong = [v for v in values if v not in taken and v not in kind.__members__]
     if not wrong:
         return None
-    return f"{key.lstrip('+~')}={wrong[0]}: expected one of {', '.join(taken)}."
+    return f"{key}={wrong[0]}: expected one of {', '.join(taken)}."

@@ -216,7 +216,7 @@ def flush_subnormals() -> None:
     """Has this process's CPU threads flush subnormal floats (below 1.2e-38) to zero. An x86
     CPU computes them through microcode, ~200x slower than normal ones, and softmax makes them:
     attention's far-away probabilities, then their gradients, so that a trained draft's
-    backward ran 1.5x slower (tests/unit/test_precision.py). No value above 1.2e-38 changes.
+    step ran 1.5x slower (docs/performance.md#cpu-kinds). No value above 1.2e-38 changes.
     Called before the first thread count is set: OpenMP's worker threads take the setting from
     the thread that starts them."""
     global SUBNORMALS_FLUSHED

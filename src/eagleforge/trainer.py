@@ -463,9 +463,10 @@ class Trainer:
             },
             record=self.parts.run_record,
         )
-        if name is None:
-            self.saved_step = self.step
-        if name is None and self.cfg.keep_last_n is not None and self.world.is_main:
+        if name is not None:  # a named checkpoint (best): not one of the steps
+            return saved
+        self.saved_step = self.step
+        if self.cfg.keep_last_n is not None and self.world.is_main:
             steps = sorted(path.parent.glob("step_*"))
             for old in steps[: -self.cfg.keep_last_n]:
                 shutil.rmtree(old, ignore_errors=True)  # a leftover is harmless, a crash is not

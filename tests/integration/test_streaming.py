@@ -297,33 +297,19 @@ def test_serve_target_refuses_a_taken_port_and_a_directory_it_cannot_write(
 def test_a_server_at_a_url_that_does_not_capture_is_named_with_the_fix() -> None:
     """A server that answers /health and /v1/models but has no completions endpoint (HTTP
     501 to a POST): one line naming the setting, what it is not, and what to start there."""
-    import http.server
-    import threading
-
     from eagleforge.targets.vllm import ServerAtURL
+    from helpers.http_stand_in import QuietHandler, serving
 
-    class NoCompletions(http.server.BaseHTTPRequestHandler):
+    class NoCompletions(QuietHandler):  # GET only: a POST is answered 501
         def do_GET(self) -> None:  # noqa: N802
-            body = b'{"data": [{"id": "target"}]}' if self.path == "/v1/models" else b"{}"
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send_body(b'{"data": [{"id": "target"}]}' if self.path == "/v1/models" else b"{}")
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoCompletions)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with serving(NoCompletions) as url:
         producer = ServerAtURL("target.producers.urls[0]", url, 10, [1, 2])
         with pytest.raises(ConfigError, match=rf"^target.producers.urls\[0\]={url} answers "
                            r"/health but not completions \(HTTP 501\): it is not a capture "
                            r"server; start one there \(python -m eagleforge.serve_target\)"):  # fmt: skip
             producer.capture([0, 1])
-    finally:
-        server.shutdown()
 
 
 def test_producers_given_up_mid_run_save_the_steps_trained_first(

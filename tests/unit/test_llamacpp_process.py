@@ -6,9 +6,7 @@ refusals (no server, no target GGUF, more requests at once than slots)."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from eagleforge.engine.llamacpp import LlamaCppClient, llama_server, server_comm
 from eagleforge.engine.server import EngineError
 from eagleforge.errors import ConfigError
 from eagleforge.judges import LlamaCppJudge
+from helpers.http_stand_in import QuietHandler, serving
 
 pytestmark = pytest.mark.unit
 
@@ -75,7 +74,7 @@ def test_llamacpps_counters_give_tau_and_acceptance_by_position() -> None:
     assert parse_spec_counters(LLAMACPP_METRICS).drafts == 0  # vLLM's names are not these
 
 
-class _StandIn(BaseHTTPRequestHandler):
+class _StandIn(QuietHandler):
     """llama-server's /completion and /metrics as the real one answers them."""
 
     bodies: list[dict[str, Any]] = []
@@ -84,28 +83,16 @@ class _StandIn(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _StandIn.bodies.append(body)
         answer = {"content": "hi", "tokens": [5, 6, 2, 7], "stop_type": "limit"}
-        self._send(json.dumps(answer).encode())
+        self.send_body(json.dumps(answer).encode())
 
     def do_GET(self) -> None:  # noqa: N802
-        self._send(LLAMACPP_METRICS.encode())
-
-    def _send(self, data: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_body(LLAMACPP_METRICS.encode())
 
 
 @pytest.fixture
 def stand_in() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with serving(_StandIn) as url:
+        yield url
 
 
 def test_a_completion_sends_ids_without_the_prompt_cache_and_cuts_at_a_stop_id(

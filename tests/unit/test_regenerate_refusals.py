@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,13 +18,14 @@ from eagleforge.errors import ConfigError
 from eagleforge.locking import beside, exclusive
 from eagleforge.regenerate import run
 from eagleforge.regeneration.rows import Reply, RequestFailed
+from helpers.http_stand_in import QuietHandler, serving
 
 pytestmark = pytest.mark.unit
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "sharegpt_small.jsonl"
 TOO_LONG = "This model's maximum context length is 2048 tokens.\nPlease reduce the length."
 
 
-class WrongServer(BaseHTTPRequestHandler):
+class WrongServer(QuietHandler):
     """A web server that is not an OpenAI-compatible one (an HTML 404 page of 11 lines), but
     answers chat completions with a JSON error, as vLLM does for a too-long prompt."""
 
@@ -36,24 +35,13 @@ class WrongServer(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
         body = json.dumps({"object": "error", "message": TOO_LONG, "code": 400}).encode()
-        self.send_response(400)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_body(body, status=400, content_type="application/json")
 
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), WrongServer)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(WrongServer) as url:
+        yield url
 
 
 def config(output: Path, *extra: str):  # type: ignore[no-untyped-def]

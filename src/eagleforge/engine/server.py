@@ -245,14 +245,18 @@ class EngineProcess(ABC):
         log.info("%s starting (pid %d, log %s)", self.name, self.proc.pid, self.log_path)
         return self
 
-    def wait_ready(self: _Process) -> _Process:
+    def wait_ready(self: _Process, within: tuple[float, str] | None = None) -> _Process:
         """Wait until the launched server answers /health; stopped, and EngineError, if it
-        exits or does not answer in time. A server that could not bind the port eagleforge
-        chose for it is launched again on another (``PORT_ATTEMPTS``)."""
+        exits or does not answer in time: startup_timeout_s, or ``within`` -- (seconds, the
+        setting they are left of) -- where that is shorter. A server that could not bind the
+        port eagleforge chose for it is launched again on another (``PORT_ATTEMPTS``)."""
+        limit = (self.startup_timeout_s, self.timeout_setting)
+        if within is not None and within[0] < limit[0]:
+            limit = within
         attempt = 1
         while True:
             try:
-                self._wait_healthy()
+                self._wait_healthy(*limit)
                 return self
             except PortTaken:
                 if not self.port_chosen or attempt == PORT_ATTEMPTS:
@@ -273,7 +277,7 @@ class EngineProcess(ABC):
         self.command[self.command.index("--port") + 1] = str(self.port)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, timeout_s: float, setting: str) -> None:
         started = time.monotonic()
         while True:
             proc = self.proc
@@ -293,10 +297,10 @@ class EngineProcess(ABC):
                     "%s ready after %.0f s at %s", self.name, time.monotonic() - started, self.url
                 )
                 return
-            if time.monotonic() - started > self.startup_timeout_s:
+            if time.monotonic() - started > timeout_s:
                 raise EngineError(
-                    f"{self.name} did not answer {self.url}/health within "
-                    f"{self.timeout_setting}={self.startup_timeout_s:g} s; its log: {self.log_path}"
+                    f"{self.name} did not answer {self.url}/health within {setting}="
+                    f"{timeout_s:g} s; its log: {self.log_path}"
                 )
             time.sleep(1.0)
 

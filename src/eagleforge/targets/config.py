@@ -91,7 +91,7 @@ class SGLangConfig:
             )
 
 
-def base_url(url: str) -> bool:
+def is_base_url(url: str) -> bool:
     """Whether ``url`` is an http(s) URL with a host and a valid port, if any."""
     try:
         parts = urlsplit(url)
@@ -134,7 +134,7 @@ class ProducersConfig:
                 f"target.producers.recover_timeout_s must be > 0, got {self.recover_timeout_s}."
             )
         for index, url in enumerate(self.urls):
-            if not base_url(str(url)):
+            if not is_base_url(str(url)):
                 raise ConfigError(
                     f"target.producers.urls[{index}]={url!r}: give a capture server's base URL, "
                     "http(s)://host:port, e.g. http://10.0.0.2:8000."

@@ -162,12 +162,10 @@ class StartedEngine:
             # launched from the pool's worker, which outlives it; in self.server at once, so
             # that close() stops it even while it starts
             self.server = self._make().launch()
-        left = deadline - time.monotonic()  # its start counts against the time to come back
-        if left < self.server.startup_timeout_s:
-            self.server.startup_timeout_s = left
-            self.server.timeout_setting = "the time left of target.producers.recover_timeout_s"
+        # its start counts against the time it has to come back
+        left = (deadline - time.monotonic(), "the time left of target.producers.recover_timeout_s")
         try:
-            self.server.wait_ready()
+            self.server.wait_ready(within=left)
         except EngineError as e:
             raise ProducerDown(f"starting it again failed: {e}") from None
         self.client = self.server.client()
